@@ -1,0 +1,38 @@
+"""Every extension point's registry, named once.
+
+Import the registry you extend from here::
+
+    from actorlm.extensions.points import EVICTION_POLICIES
+    EVICTION_POLICIES.register("my-policy", MyPolicy)
+
+Built-ins register themselves in the module that defines them (or lazily by
+dotted path), through this same API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .registry import Registry, get_registry
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "EVICTION_POLICIES",
+    "GRAMMAR_BACKENDS",
+    "HICACHE_STORAGE",
+    "LOGIT_PROCESSORS",
+    "LORA_EVICTION_POLICIES",
+    "MODELS",
+    "PLATFORMS",
+    "WEIGHT_LOADERS",
+]
+
+MODELS: Registry[Any] = get_registry("model architecture", "config.json architectures")
+ATTENTION_BACKENDS: Registry[Any] = get_registry("attention backend", "--attention-backend")
+WEIGHT_LOADERS: Registry[Any] = get_registry("weight loader", "--load-format")
+GRAMMAR_BACKENDS: Registry[Any] = get_registry("grammar backend", "--grammar-backend")
+EVICTION_POLICIES: Registry[Any] = get_registry("KV eviction policy", "--eviction-policy")
+HICACHE_STORAGE: Registry[Any] = get_registry("HiCache storage backend", "--hicache-storage-backend")
+LORA_EVICTION_POLICIES: Registry[Any] = get_registry("LoRA eviction policy", "--lora-eviction-policy")
+LOGIT_PROCESSORS: Registry[Any] = get_registry("logit processor", "sampling_params.logit_processors")
+PLATFORMS: Registry[Any] = get_registry("platform", "ACTORLM_PLATFORM")

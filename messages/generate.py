@@ -1,0 +1,132 @@
+"""The request path: gateway → tokenizer → scheduler → tokenizer → gateway.
+
+Outputs travel batched (one message per step carrying every request's delta),
+so the message count per step does not grow with the batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from .base import Message
+from .sampling import SamplingParams
+from .step import TopLogprob
+
+__all__ = [
+    "AbortRequest",
+    "ChatMessage",
+    "FinishRequest",
+    "GenerateRequest",
+    "TextBatch",
+    "TextDelta",
+    "TokenBatch",
+    "TokenDelta",
+    "TokenLogprob",
+    "TokenizedRequest",
+    "Usage",
+]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class GenerateRequest(Message, frozen=True, kw_only=True):
+    """gateway → tokenizer. Exactly one of ``text``, ``messages``, ``input_ids``."""
+
+    TAG: ClassVar[str] = "gen.request"
+    rid: str
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = SamplingParams()
+    priority: int = 0
+    lora_path: str | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = {}
+    reply_to: str = ""  # role that receives TextBatch items; "" = the sender
+
+
+class TokenizedRequest(Message, frozen=True, kw_only=True):
+    """tokenizer → scheduler."""
+
+    TAG: ClassVar[str] = "gen.tokenized"
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    lora_path: str | None = None
+    arrival_time: float = 0.0
+
+
+class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: int = 0  # an HTTP status for errors the client caused (400, 413, ...)
+
+
+class TokenBatch(Message, frozen=True, kw_only=True):
+    """scheduler → tokenizer, once per step."""
+
+    TAG: ClassVar[str] = "gen.tokens"
+    items: list[TokenDelta]
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    token_id: int
+    logprob: float
+    top: list[tuple[str, int, float]] = []
+
+
+class Usage(msgspec.Struct, frozen=True, array_like=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """New text for one request. ``finish_reason`` set means it is the last one."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: str | int | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    error_code: int = 0
+
+
+class TextBatch(Message, frozen=True, kw_only=True):
+    """tokenizer → gateway (or Engine client)."""
+
+    TAG: ClassVar[str] = "gen.text"
+    items: list[TextDelta]
+
+
+class AbortRequest(Message, frozen=True, kw_only=True):
+    """Any → tokenizer/scheduler: stop a request at whatever stage it is in."""
+
+    TAG: ClassVar[str] = "gen.abort"
+    rid: str
+    reason: str = "abort"
+
+
+class FinishRequest(Message, frozen=True, kw_only=True):
+    """tokenizer → scheduler: a stop string matched; finish now with reason ``stop``."""
+
+    TAG: ClassVar[str] = "gen.finish"
+    rid: str
+    reason: str = "stop"

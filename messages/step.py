@@ -1,0 +1,67 @@
+"""scheduler ⇄ worker: one ForwardBatch in and one StepResult out per forward step."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from .base import Message
+from .sampling import SamplingParams
+
+__all__ = ["ForwardBatch", "SeqInit", "SeqResult", "SeqStep", "StepResult", "TopLogprob"]
+
+
+class SeqInit(msgspec.Struct, frozen=True, kw_only=True):
+    """Sent with a sequence's first step (and again after a retraction re-admits it).
+
+    The worker keeps per-sequence sampling state (penalty counts, seed) from this
+    until the scheduler lists the rid in ``ForwardBatch.release``.
+    """
+
+    sampling: SamplingParams
+    token_ids: list[int]  # every token of the sequence so far: prompt, then earlier outputs
+    prompt_len: int  # token_ids[:prompt_len] is the prompt (penalties count the rest)
+
+
+class SeqStep(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's share of a step.
+
+    ``input_ids`` are the tokens to compute now (a prefill chunk, or one decode
+    token); ``start_pos`` tokens of this sequence are already in the KV cache;
+    ``page_ids`` is the page table covering ``start_pos + len(input_ids)`` tokens.
+    ``sample`` is False for a prefill chunk that is not the prompt's last.
+    """
+
+    rid: str
+    input_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+    sample: bool = True
+    init: SeqInit | None = None
+
+
+class ForwardBatch(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "step.forward"
+    step_id: int
+    seqs: list[SeqStep]
+    release: list[str] = []  # rids whose worker-side state can be dropped
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class SeqResult(msgspec.Struct, frozen=True, array_like=True):
+    rid: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+
+
+class StepResult(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "step.result"
+    step_id: int
+    results: list[SeqResult]  # one per sequence with sample=True, in batch order
+    forward_ms: float = 0.0
