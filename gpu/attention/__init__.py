@@ -1,0 +1,16 @@
+"""Attention backends, registered lazily by name so importing this package loads no torch
+and GPU-only code is imported only when asked for."""
+
+from actorlm.extensions.points import ATTENTION_BACKENDS
+
+__all__ = ["DEFAULT_BACKEND"]
+
+DEFAULT_BACKEND = "torch"
+
+ATTENTION_BACKENDS.register(
+    "torch", "actorlm.gpu.attention.torch_native:TorchNativeBackend", help="pure PyTorch, any device"
+)
+ATTENTION_BACKENDS.register(
+    "flashinfer", "actorlm.gpu.attention.cuda:FlashInferBackend", help="CUDA only (flashinfer)"
+)
+ATTENTION_BACKENDS.register("triton", "actorlm.gpu.attention.cuda:TritonBackend", help="CUDA only (triton)")

@@ -1,0 +1,8 @@
+"""Model architectures, registered lazily by HF ``architectures`` name (no torch import here)."""
+
+from actorlm.extensions.points import MODELS
+
+__all__: list[str] = []
+
+for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+    MODELS.register(_arch, "actorlm.gpu.models.llama:LlamaForCausalLM")

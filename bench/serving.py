@@ -1,0 +1,443 @@
+"""Serving benchmark: actorlm beside its peers, on the same model and seeded workload, in one run.
+
+Each engine in ``--engines`` is started on the same model (actorlm and llama.cpp on
+the GGUF, vLLM and ``transformers serve`` on its fp32 safetensors copy), warmed up
+with one request, driven through every load level with the same requests, and
+stopped before the next starts. A missing peer is reported and skipped.
+
+    python bench/serving.py --engines actorlm,vllm,llamacpp,transformers \\
+        --dataset random --concurrency 1,8,32
+    python bench/serving.py --url http://127.0.0.1:8000 --dataset chat --request-rate 1,2
+
+Writes ``--out`` (JSON; default ``bench/results/serving-<dataset>.json``), the
+Markdown table beside it (``.md``, also printed) and ``-throughput.png`` and
+``-latency.png`` plots. See bench/README.md for what each column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/serving.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from bench import peers  # noqa: E402
+from bench.serving_client import run_level, send_one, wait_ready  # noqa: E402
+from bench.serving_metrics import count_output_tokens, summarize  # noqa: E402
+from bench.serving_report import markdown_table, plot_results  # noqa: E402
+from bench.workloads import (  # noqa: E402
+    DATASETS,
+    BenchRequest,
+    WorkloadParams,
+    build_workload,
+    load_tokenizer,
+    parse_range,
+)
+
+__all__ = ["EngineProcess", "auto_num_prompts", "main", "parse_args"]
+
+
+def auto_num_prompts(concurrency: int | None, rate: float | None) -> int:
+    """Enough requests for a few waves at ``concurrency``, bounded for a 2-core machine."""
+    if concurrency:
+        return min(96, max(12, 3 * concurrency))
+    return min(96, max(16, int(30 * (rate or 1))))
+
+
+def _free_port(host: str, start: int) -> int:
+    for port in range(start, start + 200):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port from {start}")
+
+
+class EngineProcess:
+    """A server started in its own process group, always stopped on exit."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self._fh = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self._fh.write("$ " + " ".join(argv) + "\n")
+        self._fh.flush()
+        self.proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        # Children that outlived the leader (e.g. engine workers) share its group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._fh.close()
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    g = p.add_argument_group("engines")
+    g.add_argument(
+        "--engines",
+        default="actorlm",
+        help=f"comma list from {','.join(peers.ENGINES)} (default actorlm)",
+    )
+    g.add_argument(
+        "--url",
+        default=None,
+        help="benchmark this already running server instead of starting engines",
+    )
+    g.add_argument("--served-model", default=None, help="model name to send (default: /v1/models)")
+    g.add_argument(
+        "--model", type=Path, default=None, help="GGUF (default: actorlm's default model)"
+    )
+    g.add_argument(
+        "--hf-dir",
+        type=Path,
+        default=None,
+        help="fp32 safetensors folder for vLLM/transformers (default: dequantized "
+        "once under ~/.cache/actorlm-bench/hf)",
+    )
+    g.add_argument(
+        "--venv-dir",
+        type=Path,
+        default=None,
+        help="peers' venvs folder (default $ACTORLM_BENCH_VENVS or ~/.cache/actorlm-bench/venvs)",
+    )
+    g.add_argument("--setup-peers", action="store_true", help="create missing peers' venvs first")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=18300, help="first port to try")
+    g.add_argument("--startup-timeout", type=float, default=None, help="override each engine's")
+    g.add_argument("--actorlm-args", default="", help="extra arguments for `actorlm serve`")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", choices=DATASETS, default="random")
+    w.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per level (default: 3×concurrency within 12..96)",
+    )
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--input-len", default="200:300", help="random: prompt tokens, N or MIN:MAX")
+    w.add_argument("--output-len", default="64", help="output tokens, N or MIN:MAX")
+    w.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups")
+    w.add_argument(
+        "--system-len", type=int, default=1024, help="shared-prefix: shared prompt tokens"
+    )
+    w.add_argument("--question-len", default="32:64", help="shared-prefix: own question tokens")
+    w.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
+    w.add_argument("--user-len", default="48:80", help="chat: user message tokens per turn")
+    w.add_argument(
+        "--no-ignore-eos", action="store_true", help="do not ask engines to run to max_tokens"
+    )
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", default="1,8,32", help="comma list of levels")
+    load.add_argument(
+        "--request-rate",
+        default=None,
+        help="comma list of Poisson rates (req/s); levels become rates, with "
+        "--concurrency's first value as a cap unless --max-concurrency 0",
+    )
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--time-limit", type=float, default=600.0, help="seconds per level")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=None)
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--keep-text", action="store_true", help="keep output texts in the JSON")
+    return p.parse_args(argv)
+
+
+def _levels(args: argparse.Namespace) -> list[tuple[int | None, float | None]]:
+    concs = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    if args.request_rate:
+        cap = args.max_concurrency if args.max_concurrency is not None else None
+        return [(cap or None, float(r)) for r in args.request_rate.split(",") if r.strip()]
+    return [(c, None) for c in concs]
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = None
+    with contextlib.suppress(OSError, ValueError):
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": mem,
+        "python": platform.python_version(),
+    }
+
+
+async def _bench_engine(
+    url: str,
+    model_id: str | None,
+    extra: Any,
+    args: argparse.Namespace,
+    workloads: dict[int, Any],
+    levels: list[tuple[int | None, float | None]],
+    encode: Any,
+    label: str,
+) -> list[dict[str, Any]]:
+    import aiohttp
+
+    # Warm-up: one short request, not measured (first-call compilation, caches).
+    async with aiohttp.ClientSession() as session:
+        warm = await send_one(
+            session, url, model_id, BenchRequest("Hello, my name is", 5, 8), extra, timeout=300
+        )
+    if not warm.ok:
+        raise RuntimeError(f"warm-up request failed: {warm.error}")
+    out: list[dict[str, Any]] = []
+    for conc, rate in levels:
+        n = args.num_prompts or auto_num_prompts(conc, rate)
+        wl = workloads[n]
+        desc = f"{label} " + (f"rate={rate:g}" if rate else f"c={conc}")
+        run = await run_level(
+            url,
+            model_id,
+            wl,
+            extra,
+            concurrency=conc,
+            request_rate=rate,
+            seed=args.seed,
+            time_limit=args.time_limit,
+            progress=not args.no_progress,
+            desc=desc,
+        )
+        count_output_tokens(run.results, encode)
+        ok = [r for r in run.results if r.ok]
+        summary = summarize(run.results, None if ok else run.duration)
+        out.append(
+            {
+                "concurrency": conc,
+                "request_rate": rate,
+                "num_prompts": n,
+                "timed_out": run.timed_out,
+                "summary": summary,
+                "requests": [r.to_json(args.keep_text) for r in run.results],
+            }
+        )
+        s = summary
+        print(
+            f"  {desc}: {s['completed']} ok, {s['failed']} failed, "
+            f"{s['output_throughput']:.1f} out tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
+            f"ITL p50 {s['itl_ms']['p50']:.1f} ms",
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = args.out or REPO / "bench" / "results" / f"serving-{args.dataset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gguf = (args.model or peers.default_gguf()).resolve()
+    names = ["external"] if args.url else [e.strip() for e in args.engines.split(",") if e.strip()]
+    table = peers.engines(args.venv_dir)
+    for n in names:
+        if n != "external" and n not in table:
+            raise SystemExit(f"unknown engine {n!r}; known: {', '.join(table)}")
+    specs = [table[n] for n in names if n != "external"]
+
+    if args.setup_peers:
+        for spec in specs:
+            if (
+                spec.venv is not None
+                and spec.name in peers.PEER_PACKAGES
+                and spec.missing(peers.ModelFiles(gguf, None)) is not None
+            ):
+                print(f"setting up {spec.label} in {spec.venv} ...", flush=True)
+                try:
+                    peers.setup_peer(spec.name, args.venv_dir)
+                except subprocess.CalledProcessError as e:
+                    print(f"  set-up of {spec.label} failed: {e}", flush=True)
+    hf_dir = args.hf_dir or peers.default_hf_dir(gguf)
+    if any(s.needs_hf_dir for s in specs) and not (hf_dir / "config.json").exists():
+        print(f"dequantizing {gguf.name} to {hf_dir} (once) ...", flush=True)
+        peers.ensure_hf_dir(gguf, hf_dir)
+
+    tok = load_tokenizer(hf_dir, gguf)
+    files = peers.ModelFiles(
+        gguf, hf_dir if (hf_dir / "config.json").exists() else None, eos_token_id=tok.eos_token_id
+    )
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    levels = _levels(args)
+    workloads: dict[int, Any] = {}
+    for conc, rate in levels:
+        n = args.num_prompts or auto_num_prompts(conc, rate)
+        if n not in workloads:
+            params = WorkloadParams(
+                dataset=args.dataset,
+                num_prompts=n,
+                seed=args.seed,
+                input_len=parse_range(args.input_len),
+                output_len=parse_range(args.output_len),
+                num_groups=args.num_groups,
+                system_len=args.system_len,
+                question_len=parse_range(args.question_len),
+                turns=args.turns,
+                user_len=parse_range(args.user_len),
+            )
+            workloads[n] = build_workload(tok, params)
+    first = next(iter(workloads.values()))
+    print(f"workload {args.dataset}: {first.describe()}", flush=True)
+
+    data: dict[str, Any] = {
+        "dataset": args.dataset,
+        "model": gguf.name,
+        "gguf": str(gguf),
+        "hf_dir": str(files.hf_dir) if files.hf_dir else None,
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "command": " ".join(
+            [
+                Path(sys.argv[0]).name if argv is None else "serving.py",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
+        "workloads": {str(n): w.describe() for n, w in workloads.items()},
+        "engines": {},
+    }
+
+    def save() -> None:
+        out.write_text(json.dumps(data, indent=1, default=str))
+
+    running: list[EngineProcess] = []
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        for p in running:
+            p.stop(grace=5)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    logs = out.with_suffix("").with_name(out.stem + "-logs")
+
+    if args.url:
+        extra = (lambda n: {}) if args.no_ignore_eos else (lambda n: {"ignore_eos": True})
+        model_id = args.served_model or asyncio.run(
+            wait_ready(args.url, ("/health", "/v1/models"), 30)
+        )
+        entry: dict[str, Any] = {"label": args.url, "note": "", "levels": []}
+        data["engines"]["external"] = entry
+        entry["levels"] = asyncio.run(
+            _bench_engine(args.url, model_id, extra, args, workloads, levels, encode, "external")
+        )
+        save()
+
+    for spec in specs:
+        entry = {"label": spec.label, "note": spec.note, "levels": []}
+        data["engines"][spec.name] = entry
+        why = spec.missing(files)
+        if why:
+            print(f"SKIP {why}", flush=True)
+            entry["skipped"] = why
+            save()
+            continue
+        port = _free_port(args.host, args.port)
+        argv_ = spec.argv(spec, files, args.host, port)
+        if spec.name == "actorlm" and args.actorlm_args:
+            argv_ += args.actorlm_args.split()
+        url = f"http://{args.host}:{port}"
+        proc = EngineProcess(argv_, spec.env, logs / f"{spec.name}.log")
+        running.append(proc)
+        entry["command"] = " ".join(argv_)
+        entry["log"] = str(proc.log)
+        print(f"starting {spec.label}: {entry['command']}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            timeout = args.startup_timeout or spec.startup_timeout
+            model_id = args.served_model or asyncio.run(
+                wait_ready(url, spec.health_paths, timeout, proc.alive)
+            )
+            entry["startup_s"] = round(time.perf_counter() - t0, 1)
+            entry["model_id"] = model_id
+            print(f"  ready in {entry['startup_s']} s (model id {model_id!r})", flush=True)
+
+            def extra(n: int, spec: peers.EngineSpec = spec) -> dict[str, Any]:
+                return {} if args.no_ignore_eos else spec.extra_body(n, files)
+
+            entry["levels"] = asyncio.run(
+                _bench_engine(url, model_id, extra, args, workloads, levels, encode, spec.label)
+            )
+        except Exception as e:  # noqa: BLE001 - one engine's failure must not stop the others
+            entry["skipped"] = f"{type(e).__name__}: {e}"
+            print(
+                f"FAILED {spec.label}: {entry['skipped']}\n--- log tail ---\n{proc.tail()}",
+                flush=True,
+            )
+        finally:
+            proc.stop()
+            running.remove(proc)
+        save()
+
+    save()
+    table_md = markdown_table(data)
+    header = (
+        f"Serving benchmark, dataset `{args.dataset}`, model `{gguf.name}`, "
+        f"{data['date']}, {data['machine']['cpu']} ({data['machine']['cores']} cores)\n\n"
+    )
+    md_path = out.with_suffix(".md")
+    md_path.write_text(header + table_md + "\n")
+    print("\n" + header + table_md)
+    if not args.no_plots:
+        try:
+            for p in plot_results(data, out.with_suffix("")):
+                print(f"wrote {p}")
+        except ImportError:
+            print("matplotlib is not installed: no plots (pip install matplotlib)")
+    print(f"wrote {out} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

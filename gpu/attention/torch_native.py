@@ -1,0 +1,146 @@
+"""Pure PyTorch attention over the paged KV pool: works on any device, the CPU default.
+
+Per step, sequences split into two groups:
+
+- decodes (one new token each) run as ONE batched SDPA per layer: their pages are
+  gathered with a single index into [B, pages * page_size] keys, padded keys
+  masked off. The G query heads sharing a KV head ride in SDPA's query-length
+  dimension ([B, Hkv, G, D]), so GQA needs no copy of K/V.
+- prefills run one SDPA each: a fresh prompt attends causally to its own K/V
+  (no gather); a chunk extending a cached prefix gathers its pages and uses a
+  precomputed offset-causal mask.
+
+Every index tensor and mask is built in ``init_forward_metadata`` and reused by
+all layers, so the per-layer Python cost is a handful of ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..forward_meta import ForwardMeta
+from .base import AttentionBackend
+
+__all__ = ["TorchNativeBackend"]
+
+
+@dataclass
+class _Prefill:
+    rows: slice
+    start_pos: int
+    pages: torch.Tensor | None  # [P] page ids covering the prefix + chunk; None: fresh prompt
+    mask: torch.Tensor | None  # [n, start_pos + n] bool, True = attend
+
+
+@dataclass
+class _Decode:
+    rows: slice | torch.Tensor  # where the group's tokens sit in the packed batch
+    page_table: torch.Tensor  # [B, P] int64, padded with page 0 (masked)
+    mask: torch.Tensor | None  # [B, 1, 1, P * page_size] bool; None when no padding
+    key_len: int  # P * page_size, trimmed to the longest sequence
+
+
+@dataclass
+class _Plan:
+    decode: _Decode | None
+    prefills: list[_Prefill]
+    whole_batch: bool  # one group covers every row in order: return its output as is
+
+
+class TorchNativeBackend(AttentionBackend):
+    def init_forward_metadata(self, meta: ForwardMeta) -> None:
+        device = meta.input_ids.device
+        ps = meta.page_size
+        decode_idx = [i for i, n in enumerate(meta.extend_lens) if n == 1]
+        decode = None
+        if decode_idx:
+            seq_lens = [meta.start_pos[i] + 1 for i in decode_idx]
+            max_len = max(seq_lens)
+            max_pages = -(-max_len // ps)
+            table = torch.zeros(len(decode_idx), max_pages, dtype=torch.long)
+            for b, i in enumerate(decode_idx):
+                pages = meta.page_tables[i][: -(-seq_lens[b] // ps)]
+                table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+            lens = torch.tensor(seq_lens)
+            mask = None
+            if min(seq_lens) != max_len:
+                mask = (torch.arange(max_len) < lens[:, None]).view(len(decode_idx), 1, 1, max_len)
+                mask = mask.to(device)
+            rows_list = [meta.row_starts[i] for i in decode_idx]
+            contiguous = rows_list == list(range(rows_list[0], rows_list[0] + len(rows_list)))
+            rows: slice | torch.Tensor = (
+                slice(rows_list[0], rows_list[0] + len(rows_list))
+                if contiguous
+                else torch.tensor(rows_list, dtype=torch.long, device=device)
+            )
+            decode = _Decode(rows, table.to(device), mask, max_len)
+        prefills = []
+        for i, n in enumerate(meta.extend_lens):
+            if n == 1:
+                continue
+            r0, start = meta.row_starts[i], meta.start_pos[i]
+            pages = mask = None
+            if start > 0:
+                total = start + n
+                pages = torch.tensor(meta.page_tables[i][: -(-total // ps)], dtype=torch.long, device=device)
+                # query j sits at position start + j and sees keys 0 .. start + j
+                mask = torch.arange(total, device=device)[None, :] <= (
+                    torch.arange(n, device=device)[:, None] + start
+                )
+            prefills.append(_Prefill(slice(r0, r0 + n), start, pages, mask))
+        whole = (decode is not None and not prefills and isinstance(decode.rows, slice)) or (
+            decode is None and len(prefills) == 1
+        )
+        meta.attn = _Plan(decode, prefills, whole)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: ForwardMeta
+    ) -> torch.Tensor:
+        plan: _Plan = meta.attn
+        pool = self.pool
+        pool.write(layer, meta.out_cache_loc, k, v)
+        T, H, D = q.shape
+        out = None if plan.whole_batch else q.new_empty(T, H * D)
+        if plan.decode is not None:
+            res = self._decode(q, layer, plan.decode)
+            if out is None:
+                return res
+            out[plan.decode.rows] = res
+        for p in plan.prefills:
+            res = self._prefill(q[p.rows], k[p.rows], v[p.rows], layer, p)
+            if out is None:
+                return res
+            out[p.rows] = res
+        assert out is not None
+        return out
+
+    def _decode(self, q: torch.Tensor, layer: int, d: _Decode) -> torch.Tensor:
+        B = d.page_table.shape[0]
+        Hkv, D = self.num_kv_heads, self.head_dim
+        qd = q[d.rows].view(B, Hkv, -1, D)  # [B, Hkv, G, D]: the G heads of a group as G queries
+        # [B, P, page, Hkv, D] → [B, Hkv, L, D]
+        keys = self.pool.k_pages(layer)[d.page_table].view(B, -1, Hkv, D)[:, : d.key_len].transpose(1, 2)
+        vals = self.pool.v_pages(layer)[d.page_table].view(B, -1, Hkv, D)[:, : d.key_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.mask, scale=self.scale)
+        return out.reshape(B, -1)  # [B, H * D]
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, p: _Prefill) -> torch.Tensor:
+        n, H, D = q.shape
+        Hkv = self.num_kv_heads
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.pages is None:
+            keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            out = F.scaled_dot_product_attention(
+                qh, keys, vals, is_causal=True, scale=self.scale, enable_gqa=H != Hkv
+            )
+        else:
+            total = p.start_pos + n
+            keys = self.pool.k_pages(layer)[p.pages].view(-1, Hkv, D)[:total].transpose(0, 1).unsqueeze(0)
+            vals = self.pool.v_pages(layer)[p.pages].view(-1, Hkv, D)[:total].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                qh, keys, vals, attn_mask=p.mask, scale=self.scale, enable_gqa=H != Hkv
+            )
+        return out[0].transpose(0, 1).reshape(n, H * D)

@@ -1,0 +1,87 @@
+"""The paged KV cache: fixed-size pages of K and V for every layer.
+
+The worker owns the tensors; which page belongs to which sequence is decided
+elsewhere (the cache manager hands out page ids). Token ``t`` of a sequence
+with page table ``pages`` lives in page ``pages[t // page_size]`` at offset
+``t % page_size``; its flat slot is ``page * page_size + offset``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["KVPool"]
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # One tensor so a page's K and V across all layers move with one index_select
+        # (HiCache). [layers, 2 (k|v), pages, page_size, kv_heads, head_dim]
+        self.kv = torch.zeros(
+            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=self.device
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """[pages, page_size, kv_heads, head_dim], a view (paged layout, as flashinfer wants)."""
+        return self.kv[layer, 0]
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
+
+    def k_slots(self, layer: int) -> torch.Tensor:
+        """[pages * page_size, kv_heads, head_dim], a view indexed by flat slot."""
+        return self.kv[layer, 0].view(-1, self.num_kv_heads, self.head_dim)
+
+    def v_slots(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1].view(-1, self.num_kv_heads, self.head_dim)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens. slots [T] int64; k, v [T, kv_heads, head_dim]."""
+        self.k_slots(layer).index_copy_(0, slots, k.to(self.dtype))
+        self.v_slots(layer).index_copy_(0, slots, v.to(self.dtype))
+
+    # Whole pages, for host/storage tiers. A page's data is
+    # [layers, 2, page_size, kv_heads, head_dim]; several pages stack on dim 2.
+
+    def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """[layers, 2, n, page_size, kv_heads, head_dim], a copy."""
+        idx = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
+        return self.kv.index_select(2, idx)
+
+    def write_pages(self, page_ids: list[int] | torch.Tensor, data: torch.Tensor) -> None:
+        idx = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
+        self.kv.index_copy_(2, idx, data.to(device=self.device, dtype=self.dtype))
+
+    def read_pages_numpy(self, page_ids: list[int]) -> np.ndarray:
+        """Like ``read_pages`` on the host; bfloat16 comes back as its raw uint16 bits."""
+        data = self.read_pages(page_ids).cpu()
+        if data.dtype == torch.bfloat16:
+            return data.view(torch.uint16).numpy()
+        return data.numpy()
+
+    def write_pages_numpy(self, page_ids: list[int], data: np.ndarray) -> None:
+        tensor = torch.from_numpy(np.ascontiguousarray(data))
+        if self.dtype == torch.bfloat16 and tensor.dtype == torch.uint16:
+            tensor = tensor.view(torch.bfloat16)
+        self.write_pages(page_ids, tensor)

@@ -1,0 +1,437 @@
+"""Batched sampling for the worker: one ``Sampler.sample`` call per forward step.
+
+Per row, in this order (each step only runs for the rows that need it):
+
+1. logprobs, when asked, are ``log_softmax`` of the *raw* model logits (vLLM's
+   default): they describe the model, not the sampling settings;
+2. repetition penalty (HF: prompt + output tokens), then frequency and presence
+   penalties (OpenAI: output tokens only);
+3. ``logit_bias``; then eos and stop token ids banned while fewer than
+   ``min_new_tokens`` were generated (``ignore_eos`` does not change this: it only
+   tells the scheduler not to stop on eos);
+4. logit processors, then the vocabulary mask (grammar);
+5. greedy rows take the argmax; the others divide by temperature, apply top-k,
+   then top-p on the renormalized rest, then min-p, and draw by Gumbel-max.
+
+A whole-batch greedy step with none of the above is a single argmax.
+
+Seeds: a seeded row draws its noise from a generator seeded by (seed, tokens
+generated so far), so its tokens depend on neither its batch neighbours nor on a
+retraction and re-admission. Parallel samples (``n > 1``) that share a seed give
+equal outputs unless the scheduler gives each its own seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..messages.sampling import SamplingParams
+from ..messages.step import SeqInit, SeqResult, TopLogprob
+from .logit_processors import LogitProcessor, build_processors
+
+__all__ = ["MAX_TOP_LOGPROBS", "Sampler", "validate_sampling"]
+
+MAX_TOP_LOGPROBS = 20
+_MASK64 = (1 << 64) - 1
+_NEG_INF = float("-inf")
+
+
+def _check_scalars(p: SamplingParams, vocab_size: int) -> None:
+    def require(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    # Written as "not (x in range)" forms so that NaN fails every check.
+    require(
+        p.temperature >= 0 and math.isfinite(p.temperature),
+        f"temperature must be >= 0, got {p.temperature}",
+    )
+    require(0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}")
+    require(p.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {p.top_k}")
+    require(0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}")
+    require(
+        p.repetition_penalty > 0 and math.isfinite(p.repetition_penalty),
+        f"repetition_penalty must be > 0, got {p.repetition_penalty}",
+    )
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(p, name)
+        require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+    for tok, bias in p.logit_bias.items():
+        require(
+            0 <= tok < vocab_size,
+            f"logit_bias token id {tok} is outside the vocabulary (size {vocab_size})",
+        )
+        require(
+            -100 <= bias <= 100, f"logit_bias for token {tok} must be in [-100, 100], got {bias}"
+        )
+    for tok in p.stop_token_ids:
+        require(
+            0 <= tok < vocab_size,
+            f"stop_token_ids: {tok} is outside the vocabulary (size {vocab_size})",
+        )
+    require(
+        0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
+        f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}",
+    )
+    require(p.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
+    require(
+        0 <= p.min_new_tokens <= p.max_new_tokens,
+        f"min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {p.min_new_tokens}",
+    )
+    require(p.n >= 1, f"n must be >= 1, got {p.n}")
+
+
+def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ``ValueError`` with a client-facing message if ``params`` cannot be served."""
+    _check_scalars(params, vocab_size)
+    build_processors(params.logit_processors, vocab_size)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A well-mixed 63-bit generator seed for output position ``step`` (splitmix64)."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _allowed(masks: Sequence[torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Masks → ``[M, V]`` bool. A bool mask is ``[V]`` (True: may sample); an int32 one is a
+    packed ``[ceil(V/32)]`` bitmask (bit j of word w allows token 32*w + j, xgrammar's layout).
+    Tokens past a short mask's end are disallowed (the model's vocab may be padded)."""
+    out = torch.zeros(len(masks), vocab_size, dtype=torch.bool, device=device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    for i, mask in enumerate(masks):
+        mask = mask.to(device, non_blocking=True)
+        if mask.dtype != torch.bool:
+            mask = ((mask.to(torch.int32).unsqueeze(-1) >> shifts) & 1).flatten().bool()
+        n = min(vocab_size, mask.numel())
+        out[i, :n] = mask[:n]
+    return out
+
+
+def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p over what top-k left (renormalized), as HF and vLLM do.
+    ``top_k`` is V and ``top_p`` 1 where off. Returns a new ``[R, V]`` tensor."""
+    sorted_z, order = z.sort(dim=-1, descending=True)
+    pos = torch.arange(z.shape[-1], device=z.device)
+    sorted_z.masked_fill_(pos >= top_k.unsqueeze(-1), _NEG_INF)
+    probs = sorted_z.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest prefix whose mass reaches top_p; top_p == 1 keeps all, even when
+    # rounding pushes the cumulative sum past 1.
+    drop = (mass_before >= top_p.unsqueeze(-1)) & (top_p.unsqueeze(-1) < 1)
+    sorted_z.masked_fill_(drop, _NEG_INF)
+    return torch.empty_like(z).scatter_(-1, order, sorted_z)
+
+
+class _PenaltyPool:
+    """Token counts of penalized sequences, one row ("slot") each, so a step applies and
+    updates every row with a few batched kernels instead of one per sequence."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)  # prompt + output
+        self._free: list[int] = []
+
+    def alloc(self, token_ids: Sequence[int], prompt_len: int) -> int:
+        if not self._free:
+            old = self.output_counts.shape[0]
+            new = max(16, 2 * old)
+            self.output_counts = torch.cat(
+                [self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)]
+            )
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(new - old, self.vocab_size)])
+            self._free = list(range(new - 1, old - 1, -1))
+        slot = self._free.pop()
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        ids = ids[(ids >= 0) & (ids < self.vocab_size)]  # padded vocabs: ignore, never crash
+        out = torch.tensor(token_ids[prompt_len:], dtype=torch.long, device=self.device)
+        out = out[(out >= 0) & (out < self.vocab_size)]
+        self.output_counts[slot] = torch.bincount(out, minlength=self.vocab_size).to(torch.int32)
+        self.seen[slot] = False
+        self.seen[slot, ids] = True
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        rep: torch.Tensor,
+        freq: torch.Tensor,
+        pres: torch.Tensor,
+    ) -> None:
+        z = x[rows]
+        counts = self.output_counts[slots].to(z.dtype)
+        rep = rep.unsqueeze(-1)
+        z = torch.where(self.seen[slots], torch.where(z > 0, z / rep, z * rep), z)
+        z -= freq.unsqueeze(-1) * counts + pres.unsqueeze(-1) * (counts > 0).to(z.dtype)
+        x[rows] = z
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.output_counts[slots, tokens] += 1  # slots are distinct within a step
+        self.seen[slots, tokens] = True
+
+
+@dataclass(eq=False)
+class _Seq:
+    params: SamplingParams
+    generated: int
+    processors: list[LogitProcessor]
+    tokens: list[int] | None  # kept only for processors, which see the whole sequence
+    min_ban: list[int]  # eos + stop ids, banned while generated < min_new_tokens
+    bias_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+    slot: int = -1  # penalty pool row, -1 when unpenalized
+    generator: torch.Generator | None = None
+    # Cached from params: sample() reads these for every row of every step.
+    greedy: bool = False
+    want_logprobs: bool = False
+    plain: bool = False  # greedy with nothing to apply: eligible for the argmax-only path
+
+    @property
+    def banning(self) -> bool:
+        return bool(self.min_ban) and self.generated < self.params.min_new_tokens
+
+
+class Sampler:
+    """Per-sequence sampling state plus the batched sampling step (see module doc)."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        self._seqs: dict[str, _Seq] = {}
+        self._pool = _PenaltyPool(vocab_size, self.device)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._seqs
+
+    def add(self, rid: str, init: SeqInit) -> None:
+        """(Re)start ``rid``; raises ``ValueError`` for parameters ``validate_sampling`` rejects."""
+        self.release(rid)
+        p = init.sampling
+        _check_scalars(p, self.vocab_size)
+        procs = build_processors(p.logit_processors, self.vocab_size)
+        seq = _Seq(
+            params=p,
+            generated=len(init.token_ids) - init.prompt_len,
+            processors=procs,
+            tokens=list(init.token_ids) if procs else None,
+            min_ban=self._min_ban(p),
+            bias_ids=list(p.logit_bias),
+            bias_values=[float(v) for v in p.logit_bias.values()],
+        )
+        if p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0:
+            seq.slot = self._pool.alloc(init.token_ids, init.prompt_len)
+        seq.greedy = p.greedy
+        seq.want_logprobs = p.logprobs or p.top_logprobs > 0
+        if p.seed is not None and not p.greedy:
+            seq.generator = torch.Generator(device=self.device)
+        seq.plain = p.greedy and seq.slot < 0 and not (procs or seq.bias_ids or seq.want_logprobs)
+        self._seqs[rid] = seq
+
+    def _min_ban(self, p: SamplingParams) -> list[int]:
+        if p.min_new_tokens <= 0:
+            return []
+        return sorted(
+            t for t in {*self.eos_token_ids, *p.stop_token_ids} if 0 <= t < self.vocab_size
+        )
+
+    def release(self, rid: str) -> None:
+        seq = self._seqs.pop(rid, None)
+        if seq is not None and seq.slot >= 0:
+            self._pool.free(seq.slot)
+
+    def _lookup(self, rids: list[str], logits: torch.Tensor) -> list[_Seq]:
+        try:
+            seqs = [self._seqs[rid] for rid in rids]
+        except KeyError as e:
+            raise KeyError(f"no sampling state for rid {e.args[0]!r}; add() it first") from None
+        if logits.dim() != 2 or logits.shape[0] != len(rids) or logits.shape[1] != self.vocab_size:
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} is not ({len(rids)} rids, {self.vocab_size})"
+            )
+        return seqs
+
+    def sample(
+        self, rids: list[str], logits: torch.Tensor, masks: dict[int, torch.Tensor] | None = None
+    ) -> list[SeqResult]:
+        """Sample one token per row and record it in that sequence's state.
+
+        ``logits`` is ``[B, V]`` with row i for ``rids[i]``; it is not modified.
+        ``masks`` maps a row index to that row's allowed tokens: bool ``[V]`` (True: may
+        sample) or a packed int32 ``[ceil(V/32)]`` bitmask (see ``_allowed``).
+        """
+        seqs = self._lookup(rids, logits)
+        if not rids:
+            return []
+        if not masks and all(s.plain and not s.banning for s in seqs):
+            argmax: list[int] = logits.argmax(dim=-1).tolist()  # the common case: 1 kernel, 1 sync
+            for s in seqs:
+                s.generated += 1
+            return [SeqResult(rid, tok) for rid, tok in zip(rids, argmax, strict=True)]
+
+        lp_idx = [i for i, s in enumerate(seqs) if s.want_logprobs]
+        raw_logprobs = logits[self._rows(lp_idx)].float().log_softmax(dim=-1) if lp_idx else None
+        x = self._process(seqs, logits, masks or {})
+
+        rand_idx = [i for i, s in enumerate(seqs) if not s.greedy]
+        if len(rand_idx) < len(seqs):
+            tokens = x.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=x.device)
+        if rand_idx:
+            rand_rows = self._rows(rand_idx)
+            tokens[rand_rows] = self._draw(x[rand_rows], [seqs[i] for i in rand_idx])
+
+        token_list: list[int] = tokens.tolist()
+        pen_idx = [i for i, s in enumerate(seqs) if s.slot >= 0]
+        if pen_idx:
+            slots = self._rows([seqs[i].slot for i in pen_idx])
+            self._pool.record(slots, tokens[self._rows(pen_idx)])
+        for s, tok in zip(seqs, token_list, strict=True):
+            s.generated += 1
+            if s.tokens is not None:
+                s.tokens.append(tok)
+
+        results = [SeqResult(rid, tok) for rid, tok in zip(rids, token_list, strict=True)]
+        if raw_logprobs is not None:
+            self._attach_logprobs(results, seqs, lp_idx, raw_logprobs, tokens)
+        return results
+
+    def processed_logits(
+        self, rids: list[str], logits: torch.Tensor, masks: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """``logits`` after penalties, bias, min-token bans, processors and masks (before
+        temperature and top-k/p), without recording anything. For tests and for
+        callers that score tokens themselves (e.g. speculative verification)."""
+        return self._process(self._lookup(rids, logits), logits, masks or {})
+
+    def _rows(self, idx: list[int]) -> torch.Tensor:
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    def _floats(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def _process(
+        self, seqs: list[_Seq], logits: torch.Tensor, masks: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        x = logits.float().clone()
+        pen_idx = [i for i, s in enumerate(seqs) if s.slot >= 0]
+        if pen_idx:
+            ps = [seqs[i].params for i in pen_idx]
+            self._pool.apply(
+                x,
+                self._rows(pen_idx),
+                self._rows([seqs[i].slot for i in pen_idx]),
+                self._floats([p.repetition_penalty for p in ps]),
+                self._floats([p.frequency_penalty for p in ps]),
+                self._floats([p.presence_penalty for p in ps]),
+            )
+
+        # Every row's bias and bans go in as one scatter each, not one kernel per row.
+        b_rows: list[int] = []
+        b_ids: list[int] = []
+        b_vals: list[float] = []
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i, s in enumerate(seqs):
+            b_rows += [i] * len(s.bias_ids)
+            b_ids += s.bias_ids
+            b_vals += s.bias_values
+            if s.banning:
+                ban_rows += [i] * len(s.min_ban)
+                ban_ids += s.min_ban
+        if b_rows:
+            rows_cols = (self._rows(b_rows), self._rows(b_ids))
+            x.index_put_(rows_cols, self._floats(b_vals), accumulate=True)
+        if ban_rows:
+            x[self._rows(ban_rows), self._rows(ban_ids)] = _NEG_INF
+
+        for i, s in enumerate(seqs):
+            if s.processors and s.tokens is not None:
+                row = x[i]
+                for proc in s.processors:
+                    row = proc(s.tokens, row)
+                if row.data_ptr() != x[i].data_ptr():  # the processor returned a new tensor
+                    x[i] = row
+
+        if masks:
+            mask_idx = sorted(masks)
+            allowed = _allowed([masks[i] for i in mask_idx], x.shape[-1], x.device)
+            mask_rows = self._rows(mask_idx)
+            x[mask_rows] = x[mask_rows].masked_fill(~allowed, _NEG_INF)
+        return x
+
+    def _draw(self, z: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+        """Sample each row of ``z`` ``[R, V]`` (processed logits) per its params."""
+        ps = [s.params for s in seqs]
+        vocab = z.shape[-1]
+        z = z / self._floats([p.temperature for p in ps]).unsqueeze(-1)
+
+        cut_idx = [i for i, p in enumerate(ps) if p.top_k > 0 or p.top_p < 1]
+        if cut_idx:
+            cut_rows = self._rows(cut_idx)
+            top_k = self._rows([ps[i].top_k if ps[i].top_k > 0 else vocab for i in cut_idx])
+            top_p = self._floats([ps[i].top_p for i in cut_idx])
+            z[cut_rows] = _top_k_top_p(z[cut_rows], top_k, top_p)
+
+        minp_idx = [i for i, p in enumerate(ps) if p.min_p > 0]
+        if minp_idx:
+            minp_rows = self._rows(minp_idx)
+            zm = z[minp_rows]
+            probs = zm.softmax(dim=-1)
+            floor = probs.amax(dim=-1, keepdim=True) * self._floats(
+                [ps[i].min_p for i in minp_idx]
+            ).unsqueeze(-1)
+            z[minp_rows] = zm.masked_fill(probs < floor, _NEG_INF)
+
+        # Gumbel-max: argmax(z - log E), E ~ Exp(1), draws exactly from softmax(z).
+        noise = torch.empty_like(z).exponential_()
+        for i, s in enumerate(seqs):
+            if s.generator is not None and s.params.seed is not None:
+                s.generator.manual_seed(_step_seed(s.params.seed, s.generated))
+                # A fresh tensor (not a view of ``noise``) so the draw cannot depend on
+                # where the row sits in the batch.
+                noise[i] = torch.empty(vocab, device=z.device).exponential_(generator=s.generator)
+        return (z - noise.clamp_min_(1e-20).log_()).argmax(dim=-1)
+
+    @staticmethod
+    def _attach_logprobs(
+        results: list[SeqResult],
+        seqs: list[_Seq],
+        lp_idx: list[int],
+        raw: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None:
+        rows = torch.tensor(lp_idx, dtype=torch.long, device=tokens.device)
+        chosen = raw.gather(1, tokens[rows].unsqueeze(-1)).squeeze(-1).tolist()
+        n_top = max(seqs[i].params.top_logprobs for i in lp_idx)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if n_top > 0:
+            vals, ids = raw.topk(n_top, dim=-1)  # sorted, best first
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        for j, i in enumerate(lp_idx):
+            n = seqs[i].params.top_logprobs
+            tops = (
+                [TopLogprob(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n], strict=True)]
+                if n
+                else None
+            )
+            res = results[i]
+            results[i] = SeqResult(res.rid, res.token_id, chosen[j], tops)

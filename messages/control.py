@@ -1,0 +1,115 @@
+"""Control conversation: lifecycle, liveness, stats and errors (any actor ⇄ supervisor/clients)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from .base import Message
+
+__all__ = [
+    "Ack",
+    "ErrorReply",
+    "FlushCache",
+    "GetInfo",
+    "GetStats",
+    "Heartbeat",
+    "Info",
+    "PeerDown",
+    "PeerUp",
+    "Ping",
+    "Pong",
+    "Ready",
+    "Shutdown",
+    "Stats",
+]
+
+
+class Ready(Message, frozen=True, kw_only=True):
+    """actor → supervisor once ``on_start`` has finished."""
+
+    TAG: ClassVar[str] = "ctl.ready"
+    role: str
+    pid: int
+    address: str
+    info: dict[str, Any] = {}
+
+
+class Heartbeat(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.heartbeat"
+    role: str
+    pid: int
+
+
+class PeerDown(Message, frozen=True, kw_only=True):
+    """supervisor → everyone: ``role`` died; fail what is pending on it now."""
+
+    TAG: ClassVar[str] = "ctl.peer_down"
+    role: str
+    reason: str
+
+
+class PeerUp(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.peer_up"
+    role: str
+    address: str
+
+
+class Shutdown(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.shutdown"
+    reason: str = ""
+
+
+class Ping(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.ping"
+    payload: bytes = b""
+
+
+class Pong(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.pong"
+    payload: bytes = b""
+
+
+class GetStats(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.get_stats"
+
+
+class Stats(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.stats"
+    role: str
+    values: dict[str, Any]
+
+
+class GetInfo(Message, frozen=True, kw_only=True):
+    """Ask an actor what it serves (the worker answers with the model's facts)."""
+
+    TAG: ClassVar[str] = "ctl.get_info"
+
+
+class Info(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.info"
+    role: str
+    values: dict[str, Any]
+
+
+class FlushCache(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.flush_cache"
+
+
+class Ack(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "ctl.ack"
+    ok: bool = True
+    detail: str = ""
+
+
+class ErrorReply(Message, frozen=True, kw_only=True):
+    """The reply to a request (or a rejected send) that failed.
+
+    ``code`` is a stable machine name (``timeout``, ``actor_died``, ``rejected``,
+    ``bad_message``, ``no_handler``, ``handler_error``, ``invalid_request``);
+    ``status`` an HTTP-like status the gateway can pass on.
+    """
+
+    TAG: ClassVar[str] = "ctl.error"
+    code: str
+    message: str
+    status: int = 500

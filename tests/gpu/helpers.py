@@ -1,0 +1,107 @@
+"""Shared by the gpu tests: a runner over a tiny model, a toy page allocator standing in
+for the cache manager, and greedy loops for actorlm and for transformers (reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actorlm.config import ModelConfig
+from actorlm.gpu.runner import ModelRunner
+from actorlm.messages.sampling import SamplingParams
+from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=1 << 20)
+
+
+def make_runner(path: Path | str, **overrides: Any) -> ModelRunner:
+    opts: dict[str, Any] = {"path": str(path), "num_pages": 256, "page_size": 16}
+    opts.update(overrides)
+    return ModelRunner(ModelConfig(**opts))
+
+
+class Pages:
+    """Hands out page ids the way the cache manager would (never reused here)."""
+
+    def __init__(self, page_size: int = 16, first: int = 0) -> None:
+        self.page_size = page_size
+        self.next = first
+        self.tables: dict[str, list[int]] = {}
+
+    def table(self, rid: str, num_tokens: int) -> list[int]:
+        table = self.tables.setdefault(rid, [])
+        while len(table) * self.page_size < num_tokens:
+            table.append(self.next)
+            self.next += 1
+        return list(table)
+
+
+class Seq:
+    """A request as the scheduler tracks it: prompt, outputs, tokens already cached."""
+
+    def __init__(self, rid: str, prompt: list[int], pages: Pages) -> None:
+        self.rid, self.prompt, self.pages = rid, list(prompt), pages
+        self.out: list[int] = []
+        self.cached = 0
+        self.started = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    def step(self, chunk: int | None = None) -> SeqStep:
+        """The next SeqStep: (the rest of / a chunk of) the prompt, or one decode token."""
+        todo = self.tokens[self.cached :]
+        ids = todo if chunk is None else todo[:chunk]
+        init = None if self.started else SeqInit(sampling=GREEDY, token_ids=self.prompt, prompt_len=len(self.prompt))
+        self.started = True
+        end = self.cached + len(ids)
+        sample = end == len(self.tokens)
+        step = SeqStep(self.rid, ids, self.cached, self.pages.table(self.rid, end), sample, init)
+        self.cached = end
+        return step
+
+
+def run_step(runner: ModelRunner, seqs: list[Seq], steps: list[SeqStep], step_id: int = 0) -> None:
+    result = runner.forward(ForwardBatch(step_id=step_id, seqs=steps))
+    by_rid = {s.rid: s for s in seqs}
+    assert [r.rid for r in result.results] == [s.rid for s in steps if s.sample]
+    for r in result.results:
+        by_rid[r.rid].out.append(r.token_id)
+
+
+def greedy(runner: ModelRunner, rid: str, prompt: list[int], steps: int, pages: Pages) -> list[int]:
+    seq = Seq(rid, prompt, pages)
+    for i in range(steps):
+        run_step(runner, [seq], [seq.step()], i)
+    runner.forward(ForwardBatch(step_id=steps, seqs=[], release=[rid]))
+    return seq.out
+
+
+def hf_model(path: Path | str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding with transformers' own KV cache, never stopping at EOS."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    for _ in range(steps):
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids = torch.tensor([[tok]])
+    return out
+
+
+@torch.inference_mode()
+def hf_last_logits(model: Any, prompt: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([prompt])).logits[0, -1].float()

@@ -1,0 +1,303 @@
+"""Sampler: greedy, seeded reproducibility, distribution, penalties, bias, bans, logprobs, masks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from actorlm.gpu.sampling import Sampler, validate_sampling
+from actorlm.messages.sampling import SamplingParams
+from actorlm.messages.step import SeqInit
+
+CPU = torch.device("cpu")
+# The device-sensitive tests also run on CUDA where there is one (seeded noise and the
+# penalty pool's scatters take different kernels there).
+DEVICES = [
+    pytest.param(CPU, id="cpu"),
+    pytest.param(
+        torch.device("cuda"),
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+def init(prompt: list[int], outputs: list[int] | None = None, /, **params: Any) -> SeqInit:
+    outputs = outputs or []
+    return SeqInit(
+        sampling=SamplingParams(**params),
+        token_ids=prompt + outputs,
+        prompt_len=len(prompt),
+    )
+
+
+def test_greedy_is_argmax_and_logits_untouched() -> None:
+    sampler = Sampler(50, [0], CPU)
+    for i in range(6):
+        kw = {"temperature": 0.0} if i % 2 else {"top_k": 1, "temperature": 0.8}
+        sampler.add(f"r{i}", init([1, 2, 3], **kw))
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    out = sampler.sample([f"r{i}" for i in range(6)], logits)
+    assert [r.token_id for r in out] == logits.argmax(-1).tolist()
+    assert [r.rid for r in out] == [f"r{i}" for i in range(6)]
+    assert all(r.logprob is None and r.top_logprobs is None for r in out)
+    # The general path (a sampled neighbour) keeps greedy rows greedy and logits intact.
+    sampler.add("hot", init([1], temperature=1.0))
+    big = torch.cat([logits, torch.randn(1, 50)])
+    out = sampler.sample([f"r{i}" for i in range(6)] + ["hot"], big)
+    assert [r.token_id for r in out[:6]] == logits.argmax(-1).tolist()
+    assert torch.equal(big[:6], before)
+
+
+def _run_seeded(
+    sampler: Sampler, rids: list[str], target: str, steps: list[torch.Tensor]
+) -> list[int]:
+    """Sample ``steps`` with ``target`` somewhere in ``rids``; each row gets that step's logits."""
+    got = []
+    for logits_row in steps:
+        batch = logits_row.expand(len(rids), -1).clone()
+        others = torch.tensor([r != target for r in rids]).unsqueeze(-1)
+        batch = (batch + torch.randn_like(batch) * others).to(sampler.device)
+        out = sampler.sample(rids, batch)
+        got.append(next(r.token_id for r in out if r.rid == target))
+    return got
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seed_reproducible_across_batch_composition_and_readmission(device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(1)
+    steps = [torch.randn(64, generator=gen) * 0.5 for _ in range(24)]
+    params = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
+
+    alone = Sampler(64, [0], device)
+    alone.add("x", init([5, 6], **params))
+    ref = _run_seeded(alone, ["x"], "x", steps)
+
+    crowded = Sampler(64, [0], device)
+    crowded.add("a", init([1], temperature=1.0))
+    crowded.add("b", init([2], temperature=0.0))
+    crowded.add("c", init([3], temperature=0.7, seed=99))
+    crowded.add("x", init([5, 6], **params))
+    assert _run_seeded(crowded, ["a", "b", "x", "c"], "x", steps) == ref
+
+    # Retracted after 10 tokens, re-admitted with prompt + those outputs: same continuation.
+    readmit = Sampler(64, [0], device)
+    readmit.add("x", init([5, 6], **params))
+    first = _run_seeded(readmit, ["x"], "x", steps[:10])
+    readmit.release("x")
+    readmit.add("x", init([5, 6], first, **params))
+    assert first + _run_seeded(readmit, ["x"], "x", steps[10:]) == ref
+
+    other = Sampler(64, [0], device)
+    other.add("x", init([5, 6], **{**params, "seed": 4321}))
+    assert _run_seeded(other, ["x"], "x", steps) != ref
+
+
+def _expected(logits: list[float], t: float, k: int, p: float, min_p: float) -> list[float]:
+    """Reference: temperature, top-k, top-p on the renormalized rest, then min-p."""
+    z = [v / t for v in logits]
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    keep = order[:k] if k > 0 else order
+    w = {i: math.exp(z[i]) for i in keep}
+    total = sum(w.values())
+    mass, kept = 0.0, []
+    for i in keep:
+        if mass >= p and p < 1:
+            break
+        kept.append(i)
+        mass += w[i] / total
+    top = max(w[i] for i in kept)
+    kept = [i for i in kept if w[i] >= min_p * top]
+    total = sum(w[i] for i in kept)
+    return [w[i] / total if i in kept else 0.0 for i in range(len(z))]
+
+
+def _chi2_critical(df: int) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty); the draws are seeded anyway."""
+    z = 3.09
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize(
+    "t,k,p,min_p",
+    [
+        (1.0, -1, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, -1, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.15),
+        (0.9, 6, 0.9, 0.05),
+    ],
+)
+@pytest.mark.parametrize("seeded", [False, True])
+def test_distribution_matches_filtered_softmax(
+    t: float, k: int, p: float, min_p: float, seeded: bool
+) -> None:
+    torch.manual_seed(0)
+    logits = [1.2, 0.3, -0.5, 2.0, 0.9, -1.5, 0.0, 1.6]
+    probs = _expected(logits, t, k, p, min_p)
+    vocab, batch, rounds = len(logits), 2000, 5
+    sampler = Sampler(vocab, [], CPU)
+    rids = [f"r{i}" for i in range(batch)]
+    counts = [0] * vocab
+    for i, rid in enumerate(rids):  # a seeded row draws afresh at each step
+        seed = i if seeded else None
+        sampler.add(rid, init([0], temperature=t, top_k=k, top_p=p, min_p=min_p, seed=seed))
+    for _ in range(rounds):
+        for res in sampler.sample(rids, torch.tensor([logits] * batch)):
+            counts[res.token_id] += 1
+    n = batch * rounds
+    assert all(counts[i] == 0 for i in range(vocab) if probs[i] == 0)
+    support = [i for i in range(vocab) if probs[i] > 0]
+    chi2 = sum((counts[i] - n * probs[i]) ** 2 / (n * probs[i]) for i in support)
+    assert chi2 < _chi2_critical(max(1, len(support) - 1)), (counts, probs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repetition_penalty_hand_computed(device: torch.device) -> None:
+    sampler = Sampler(6, [], device)
+    sampler.add("r", init([0, 1], [2], temperature=0.0, repetition_penalty=2.0))
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], device=device)
+    got = sampler.processed_logits(["r"], logits).cpu()
+    assert torch.allclose(got, torch.tensor([[1.0, -2.0, 0.25, 3.0, -2.0, 1.0]]))
+    assert sampler.sample(["r"], logits)[0].token_id == 3
+    # The sampled token now counts too: 3.0 / 2.
+    assert sampler.processed_logits(["r"], logits)[0, 3].item() == pytest.approx(1.5)
+
+
+def test_frequency_and_presence_penalties_hand_computed() -> None:
+    sampler = Sampler(6, [], CPU)
+    # Prompt tokens (4) are not penalized; outputs are 3, 3, 1.
+    sampler.add(
+        "r", init([3, 4], [3, 3, 1], temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25)
+    )
+    logits = torch.tensor([[0.0, 1.0, 0.0, 2.0, 1.5, 0.5]])
+    want = torch.tensor([[0.0, 1.0 - 0.5 - 0.25, 0.0, 2.0 - 1.0 - 0.25, 1.5, 0.5]])
+    assert torch.allclose(sampler.processed_logits(["r"], logits), want)
+    assert sampler.sample(["r"], logits)[0].token_id == 4  # 1.5 now beats 0.75
+    want[0, 4] -= 0.75
+    assert torch.allclose(sampler.processed_logits(["r"], logits), want)
+
+
+def test_logit_bias() -> None:
+    sampler = Sampler(5, [], CPU)
+    sampler.add("r", init([0], temperature=0.0, logit_bias={1: 3.0, 4: -100.0}))
+    logits = torch.tensor([[1.0, -1.0, 0.5, 0.0, 5.0]])
+    want = torch.tensor([[1.0, 2.0, 0.5, 0.0, -95.0]])
+    assert torch.allclose(sampler.processed_logits(["r"], logits), want)
+    assert sampler.sample(["r"], logits)[0].token_id == 1
+
+
+def test_min_new_tokens_bans_eos_and_stop_ids() -> None:
+    sampler = Sampler(6, [5], CPU)
+    sampler.add("r", init([0], temperature=0.0, min_new_tokens=2, stop_token_ids=[4]))
+    sampler.add("s", init([0], temperature=1.0, min_new_tokens=2, ignore_eos=True))
+    logits = torch.tensor([[0.0, 0.0, 1.0, 0.0, 9.0, 10.0]] * 2)
+    for _ in range(2):
+        r, s = sampler.sample(["r", "s"], logits)
+        assert r.token_id == 2 and s.token_id != 5
+    assert sampler.sample(["r"], logits[:1])[0].token_id == 5  # two generated: allowed
+    # Re-admitted with two outputs already: no ban from the start.
+    sampler.add("r", init([0], [2, 2], temperature=0.0, min_new_tokens=2, stop_token_ids=[4]))
+    assert sampler.sample(["r"], logits[:1])[0].token_id == 5
+
+
+def test_logprobs_are_raw_and_top_sorted() -> None:
+    sampler = Sampler(30, [], CPU)
+    sampler.add(
+        "a", init([1], temperature=1.0, logprobs=True, top_logprobs=5, repetition_penalty=1.5)
+    )
+    sampler.add("b", init([1], temperature=0.0, logprobs=True))
+    sampler.add("c", init([1], temperature=0.0))
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(3)) * 3
+    raw = torch.log_softmax(logits, -1)
+    a, b, c = sampler.sample(["a", "b", "c"], logits)
+    assert a.logprob == pytest.approx(raw[0, a.token_id].item(), abs=1e-5)
+    assert a.top_logprobs is not None and len(a.top_logprobs) == 5
+    vals, ids = raw[0].topk(5)
+    assert [t.token_id for t in a.top_logprobs] == ids.tolist()
+    assert [t.logprob for t in a.top_logprobs] == pytest.approx(vals.tolist(), abs=1e-5)
+    assert [t.logprob for t in a.top_logprobs] == sorted(
+        (t.logprob for t in a.top_logprobs), reverse=True
+    )
+    assert b.logprob == pytest.approx(raw[1].max().item(), abs=1e-5) and b.top_logprobs is None
+    assert c.logprob is None and c.top_logprobs is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masks_bool_and_packed_bitmask(device: torch.device) -> None:
+    vocab = 40
+    sampler = Sampler(vocab, [], device)
+    sampler.add("g", init([0], temperature=0.0))
+    sampler.add("s", init([0], temperature=1.0))
+    logits = torch.zeros(2, vocab)
+    logits[:, 3] = 10.0
+    allowed = [7, 33, 35]
+    bool_mask = torch.zeros(vocab, dtype=torch.bool)
+    bool_mask[allowed] = True
+    words = [0, 0]
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    packed = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    logits[0, 35] = 1.0
+    for _ in range(20):
+        g, s = sampler.sample(["g", "s"], logits.to(device), masks={0: bool_mask, 1: packed})
+        assert g.token_id == 35 and s.token_id in allowed
+
+
+def test_release_and_unknown_rid() -> None:
+    sampler = Sampler(8, [], CPU)
+    sampler.add("r", init([0], temperature=0.5, presence_penalty=1.0))
+    assert "r" in sampler and len(sampler) == 1
+    sampler.release("r")
+    sampler.release("r")  # idempotent
+    with pytest.raises(KeyError, match="no sampling state"):
+        sampler.sample(["r"], torch.zeros(1, 8))
+    sampler.add("r", init([0]))
+    with pytest.raises(ValueError, match="logits shape"):
+        sampler.sample(["r"], torch.zeros(1, 9))
+    sampler.release("r")
+    for i in range(40):  # the penalty pool reuses and grows its slots
+        sampler.add(f"p{i}", init([i % 8], temperature=0.0, repetition_penalty=2.0))
+    out = sampler.sample([f"p{i}" for i in range(40)], torch.ones(40, 8))
+    assert all(r.token_id != i % 8 for i, r in enumerate(out))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3.0}, "presence_penalty"),
+        ({"logit_bias": {100: 1.0}}, "logit_bias token id 100"),
+        ({"logit_bias": {1: 500.0}}, "logit_bias"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
+        ({"n": 0}, "n must be"),
+    ],
+)
+def test_validation_errors(kwargs: dict[str, object], message: str) -> None:
+    params = SamplingParams(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        validate_sampling(params, 100)
+    with pytest.raises(ValueError, match=message):
+        Sampler(100, [], CPU).add("r", SeqInit(sampling=params, token_ids=[1], prompt_len=1))
+
+
+def test_validation_accepts_defaults_and_edges() -> None:
+    validate_sampling(SamplingParams(), 100)
+    validate_sampling(
+        SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=1.0, top_logprobs=20), 100
+    )
