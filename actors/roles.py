@@ -8,5 +8,7 @@ __all__: list[str] = []
 
 ACTOR_ROLES.register("tokenizer", "actorlm.actors.tokenizer:TokenizerActor", source="builtin")
 ACTOR_ROLES.register("scheduler", "actorlm.actors.scheduler:SchedulerActor", source="builtin")
-ACTOR_ROLES.register("cache_manager", "actorlm.actors.cache_manager:CacheManagerActor", source="builtin")
+ACTOR_ROLES.register(
+    "cache_manager", "actorlm.actors.cache_manager:CacheManagerActor", source="builtin"
+)
 ACTOR_ROLES.register("worker", "actorlm.actors.worker:WorkerActor", source="builtin")

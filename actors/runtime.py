@@ -187,6 +187,7 @@ class RuntimeOptions:
     heartbeat_s: float = 0.5
     max_message_bytes: int = 256 * 1024 * 1024
     supervisor: str = ""  # role to send Ready/Heartbeat to ("" = none)
+    bind: str = ""  # address to bind when it differs from the one peers use (tcp://0.0.0.0:N)
     interceptors: InterceptorChain | None = None
     book: dict[str, str] = field(default_factory=dict)
 
@@ -220,7 +221,7 @@ class ActorRuntime:
     # -- lifecycle -----------------------------------------------------------
     async def serve(self) -> None:
         """Bind, start the actor, announce READY, and dispatch until stopped."""
-        self._inbox = self.transport.bind(self.address)
+        self._inbox = self.transport.bind(self.options.bind or self.address)
         recv = asyncio.create_task(self._recv_loop(), name=f"{self.role}-recv")
         beat: asyncio.Task[Any] | None = None
         try:

@@ -5,7 +5,7 @@ Placement is configuration: ``placement="process"`` spawns one process per
 actor (ipc or tcp addresses), ``"inproc"`` runs them all on this event loop
 (inproc addresses; tests and notebooks). The code of the actors is the same.
 
-A death is noticed two ways: the process exits (its sentinel becomes readable,
+A death is noticed two ways: the process exits (its pidfd becomes readable,
 within milliseconds), or its heartbeats stop for ``heartbeat_s *
 heartbeat_misses`` (it hangs; it is then killed). Either way every actor and
 attached client hears ``PeerDown`` at once and fails what it had pending on the
@@ -17,17 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Any
+
+import msgspec
 
 from ..config import EngineConfig
 from ..extensions.registry import Registry, get_registry, import_object
@@ -84,6 +86,8 @@ async def run_actor(
     book: dict[str, str],
     supervisor: str = "",
     parent_pid: int = 0,
+    *,
+    bind: str = "",
 ) -> None:
     """Run one actor until it is told to stop (or its parent process is gone)."""
     transport = ZmqTransport()
@@ -93,6 +97,7 @@ async def run_actor(
         max_message_bytes=config.deploy.max_message_bytes,
         supervisor=supervisor,
         book=book,
+        bind=bind,
     )
     actor = build_actor(spec, config)
     role = actor.role
@@ -116,19 +121,35 @@ async def run_actor(
         transport.close()
 
 
-def _child_main(
-    spec: str, config_bytes: bytes, address: str, book: dict[str, str], supervisor: str, parent: int
-) -> None:
-    import msgspec
+class ChildSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a spawned actor process reads from its stdin."""
 
+    spec: str
+    config: EngineConfig
+    address: str
+    book: dict[str, str]
+    supervisor: str
+    parent: int
+    sys_path: list[str]
+
+
+def child_main() -> None:
+    """Entry of ``python -m actorlm.actors.child``: one actor, told what to be on stdin.
+
+    A fresh interpreter (not multiprocessing's spawn) so the parent's ``__main__``
+    is never re-imported: scripts without an ``if __name__ == "__main__"`` guard work.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
-    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-    from .process import prepare_process
+    child = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ChildSpec)
+    sys.path[:] = list(dict.fromkeys([*child.sys_path, *sys.path]))
+    from .process import event_loop_runner, prepare_process
 
-    prepare_process(config, spec)
-    from .process import event_loop_runner
-
-    event_loop_runner()(run_actor(spec, config, address, book, supervisor, parent))
+    prepare_process(child.config, child.spec)
+    event_loop_runner()(
+        run_actor(
+            child.spec, child.config, child.address, child.book, child.supervisor, child.parent
+        )
+    )
 
 
 @dataclass
@@ -136,7 +157,8 @@ class _Member:
     role: str
     spec: str
     address: str
-    process: BaseProcess | None = None
+    process: subprocess.Popen[bytes] | None = None
+    pidfd: int = -1
     task: asyncio.Task[Any] | None = None
     runtime: ActorRuntime | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -281,37 +303,47 @@ class Launcher:
             member.task = asyncio.create_task(runtime.serve(), name=member.role)
             member.task.add_done_callback(lambda t, m=member: self._on_exit(m, t))
             return
-        import msgspec
-
-        ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(
-            target=_child_main,
-            args=(
-                member.spec,
-                msgspec.msgpack.encode(self.config),
-                member.address,
-                dict(self.book),
-                "supervisor",
-                os.getpid(),
-            ),
-            name=f"actorlm-{member.role}",
-            daemon=False,
+        child = ChildSpec(
+            spec=member.spec,
+            config=self.config,
+            address=member.address,
+            book=dict(self.book),
+            supervisor="supervisor",
+            parent=os.getpid(),
+            sys_path=[p for p in sys.path if p],
         )
-        proc.start()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "actorlm.actors.child", member.role], stdin=subprocess.PIPE
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.msgpack.encode(child))
+        proc.stdin.close()
         member.process = proc
         loop = asyncio.get_running_loop()
-        loop.add_reader(proc.sentinel, self._on_sentinel, member, proc)
+        try:
+            member.pidfd = os.pidfd_open(proc.pid)
+            loop.add_reader(member.pidfd, self._on_pidfd, member, proc)
+        except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll instead
+            member.pidfd = -1
+            loop.create_task(self._poll_exit(member, proc))
 
-    def _on_sentinel(self, member: _Member, proc: BaseProcess) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(proc.sentinel)
+    def _on_pidfd(self, member: _Member, proc: subprocess.Popen[bytes]) -> None:
+        self._close_pidfd(member)
+        proc.wait()
+        self._on_exit(member, f"process exited with code {proc.returncode}")
 
-        async def reap() -> None:
-            # The sentinel fires as the child closes its files, a moment before it can be reaped.
-            await loop.run_in_executor(None, proc.join, 2.0)
-            self._on_exit(member, f"process exited with code {proc.exitcode}")
+    def _close_pidfd(self, member: _Member) -> None:
+        if member.pidfd >= 0:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(member.pidfd)
+            os.close(member.pidfd)
+            member.pidfd = -1
 
-        loop.create_task(reap())
+    async def _poll_exit(self, member: _Member, proc: subprocess.Popen[bytes]) -> None:
+        while proc.poll() is None:
+            await asyncio.sleep(0.05)
+        if member.process is proc:
+            self._on_exit(member, f"process exited with code {proc.returncode}")
 
     def _on_exit(self, member: _Member, why: asyncio.Task[Any] | str) -> None:
         if isinstance(why, asyncio.Task):
@@ -358,7 +390,7 @@ class Launcher:
             waiter = asyncio.create_task(member.ready.wait())
             while not waiter.done():
                 await asyncio.wait({waiter}, timeout=0.1)
-                died = (member.process is not None and member.process.exitcode is not None) or (
+                died = (member.process is not None and member.process.poll() is not None) or (
                     member.task is not None and member.task.done()
                 )
                 if died and not waiter.done():
@@ -378,28 +410,34 @@ class Launcher:
             await asyncio.sleep(deploy.heartbeat_s)
             now = time.monotonic()
             for member in self.members.values():
+                if self._stopping:
+                    return
                 if member.alive and member.process is not None and now - member.last_beat > limit:
-                    log.error("actor %s missed heartbeats for %.1fs; killing it", member.role, limit)
+                    log.error(
+                        "actor %s missed heartbeats for %.1fs; killing it", member.role, limit
+                    )
                     member.process.kill()  # the sentinel reports the death
 
     async def _reap(self, member: _Member, deadline: float) -> None:
         if member.task is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(member.task), max(0.1, deadline - time.monotonic()))
+                await asyncio.wait_for(
+                    asyncio.shield(member.task), max(0.1, deadline - time.monotonic())
+                )
             except (TimeoutError, Exception):
                 member.task.cancel()
                 await asyncio.gather(member.task, return_exceptions=True)
         proc = member.process
         if proc is None:
             return
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(proc.sentinel)
-        while proc.exitcode is None and time.monotonic() < deadline:
+        self._close_pidfd(member)
+        while proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if proc.exitcode is None:
+        if proc.poll() is None:
             proc.terminate()
             await asyncio.sleep(0.5)
-        if proc.exitcode is None:
+        if proc.poll() is None:
             proc.kill()
-        proc.join(2)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(2)
         member.alive = False

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from actorlm.config import ModelConfig
 from actorlm.gpu.loaders.base import model_path
 from actorlm.gpu.runner import ModelRunner
@@ -32,11 +31,17 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="HF folder or .gguf file (default: the embedded SmolLM2 GGUF)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="", help="HF folder or .gguf file (default: the embedded SmolLM2 GGUF)"
+    )
     p.add_argument("--batch-sizes", default="1,8,32,64", help="decode batch sizes, comma-separated")
     p.add_argument("--prompt-len", type=int, default=512, help="prefill prompt length")
-    p.add_argument("--context-len", type=int, default=128, help="cached tokens per sequence before decoding")
+    p.add_argument(
+        "--context-len", type=int, default=128, help="cached tokens per sequence before decoding"
+    )
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per batch size")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills (median reported)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -63,7 +68,18 @@ class Ours:
     def prefill_s(self, ids: list[int]) -> float:
         pages = list(range(-(-len(ids) // self.runner.info.page_size)))
         t0 = time.perf_counter()
-        self._forward([SeqStep("p", ids, 0, pages, True, SeqInit(sampling=GREEDY, token_ids=ids, prompt_len=len(ids)))])
+        self._forward(
+            [
+                SeqStep(
+                    "p",
+                    ids,
+                    0,
+                    pages,
+                    True,
+                    SeqInit(sampling=GREEDY, token_ids=ids, prompt_len=len(ids)),
+                )
+            ]
+        )
         dt = time.perf_counter() - t0
         self._forward([], release=["p"])
         return dt
@@ -79,11 +95,15 @@ class Ours:
         ]
         tokens = self._forward(first)
         pos = len(prompts[0])
-        tokens = self._forward([SeqStep(r, [tok], pos, t) for r, tok, t in zip(rids, tokens, tables, strict=True)])
+        tokens = self._forward(
+            [SeqStep(r, [tok], pos, t) for r, tok, t in zip(rids, tokens, tables, strict=True)]
+        )
         pos += 1  # one untimed decode step warms the decode path
         t0 = time.perf_counter()
         for _ in range(steps):
-            tokens = self._forward([SeqStep(r, [tok], pos, t) for r, tok, t in zip(rids, tokens, tables, strict=True)])
+            tokens = self._forward(
+                [SeqStep(r, [tok], pos, t) for r, tok, t in zip(rids, tokens, tables, strict=True)]
+            )
             pos += 1
         dt = time.perf_counter() - t0
         self._forward([], release=rids)
@@ -95,7 +115,9 @@ class Transformers:
         from transformers import AutoModelForCausalLM
 
         if path.suffix == ".gguf":
-            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
         else:
             self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         self.model.eval()
@@ -105,7 +127,9 @@ class Transformers:
         from transformers import DynamicCache
 
         t0 = time.perf_counter()
-        logits = self.model(input_ids=torch.tensor([ids]), cache=DynamicCache(), use_cache=True).logits
+        logits = self.model(
+            input_ids=torch.tensor([ids]), cache=DynamicCache(), use_cache=True
+        ).logits
         logits[:, -1].argmax(-1)
         return time.perf_counter() - t0
 
@@ -142,7 +166,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = model_path(ModelConfig(path=args.model))
     max_b = max(int(x) for x in args.batch_sizes.split(","))
-    pages = max_b * (-(-(args.context_len + args.decode_steps + 2) // 16) + 1) + args.prompt_len // 16 + 1
+    pages = (
+        max_b * (-(-(args.context_len + args.decode_steps + 2) // 16) + 1)
+        + args.prompt_len // 16
+        + 1
+    )
     ours = Ours(str(path), args.threads, pages)
     vocab = ours.runner.info.vocab_size
     results: dict[str, Any] = {
@@ -156,11 +184,18 @@ def main() -> None:
     if not args.skip_transformers:
         results["transformers"] = measure(Transformers(path), args, vocab)
 
-    rows = ["| workload | actorlm tok/s | transformers tok/s | ratio |", "| --- | ---: | ---: | ---: |"]
+    rows = [
+        "| workload | actorlm tok/s | transformers tok/s | ratio |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for key, ours_tps in results["actorlm"].items():
         ref = results.get("transformers", {}).get(key)
         ratio = f"{ours_tps / ref:.2f}x" if ref else "-"
-        rows.append(f"| {key} | {ours_tps:.1f} | {ref:.1f} | {ratio} |" if ref else f"| {key} | {ours_tps:.1f} | - | - |")
+        rows.append(
+            f"| {key} | {ours_tps:.1f} | {ref:.1f} | {ratio} |"
+            if ref
+            else f"| {key} | {ours_tps:.1f} | - | - |"
+        )
     print("\n".join(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

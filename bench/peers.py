@@ -282,12 +282,14 @@ def _transformers_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) ->
 
 
 def _transformers_extra(n: int, m: ModelFiles) -> dict[str, Any]:
-    # No ignore_eos: a full generation_config with min_new_tokens pins the length.
+    # No ignore_eos field (unknown fields are refused with 422). A full generation_config
+    # replaces the model's: without an EOS id nothing stops early (the continuous-batching
+    # path ignores min_new_tokens; the plain path honours it).
     import json
 
     cfg: dict[str, Any] = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    cfg["eos_token_id"] = None
     if m.eos_token_id is not None:
-        cfg["eos_token_id"] = m.eos_token_id
         cfg["pad_token_id"] = m.eos_token_id
     return {"generation_config": json.dumps(cfg)}
 

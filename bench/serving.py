@@ -80,7 +80,7 @@ class EngineProcess:
         self._fh.flush()
         self.proc = subprocess.Popen(
             argv,
-            env={**os.environ, **env},
+            env={**env, **os.environ},  # the engine's defaults; the caller's environment wins
             stdout=self._fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = EngineProcess(argv_, spec.env, logs / f"{spec.name}.log")
         running.append(proc)
         entry["command"] = " ".join(argv_)
+        entry["env"] = {k: os.environ.get(k, v) for k, v in spec.env.items()}
         entry["log"] = str(proc.log)
         print(f"starting {spec.label}: {entry['command']}", flush=True)
         t0 = time.perf_counter()

@@ -138,7 +138,8 @@ class InterceptorChain:
             found = self._cache[key] = [
                 e
                 for e in self._entries
-                if e.direction == direction and (e.msg_type is None or issubclass(msg_type, e.msg_type))
+                if e.direction == direction
+                and (e.msg_type is None or issubclass(msg_type, e.msg_type))
             ]
         return found
 

@@ -25,6 +25,7 @@ __all__ = [
     "MODELS",
     "PLATFORMS",
     "WEIGHT_LOADERS",
+    "load_builtins",
 ]
 
 MODELS: Registry[Any] = get_registry("model architecture", "config.json architectures")
@@ -32,7 +33,33 @@ ATTENTION_BACKENDS: Registry[Any] = get_registry("attention backend", "--attenti
 WEIGHT_LOADERS: Registry[Any] = get_registry("weight loader", "--load-format")
 GRAMMAR_BACKENDS: Registry[Any] = get_registry("grammar backend", "--grammar-backend")
 EVICTION_POLICIES: Registry[Any] = get_registry("KV eviction policy", "--eviction-policy")
-HICACHE_STORAGE: Registry[Any] = get_registry("HiCache storage backend", "--hicache-storage-backend")
-LORA_EVICTION_POLICIES: Registry[Any] = get_registry("LoRA eviction policy", "--lora-eviction-policy")
-LOGIT_PROCESSORS: Registry[Any] = get_registry("logit processor", "sampling_params.logit_processors")
+HICACHE_STORAGE: Registry[Any] = get_registry(
+    "HiCache storage backend", "--hicache-storage-backend"
+)
+LORA_EVICTION_POLICIES: Registry[Any] = get_registry(
+    "LoRA eviction policy", "--lora-eviction-policy"
+)
+LOGIT_PROCESSORS: Registry[Any] = get_registry(
+    "logit processor", "sampling_params.logit_processors"
+)
 PLATFORMS: Registry[Any] = get_registry("platform", "ACTORLM_PLATFORM")
+
+# Modules whose import registers the built-in entries of the registries above.
+BUILTIN_MODULES = (
+    "actorlm.gpu.models",
+    "actorlm.gpu.loaders",
+    "actorlm.gpu.attention",
+    "actorlm.gpu.logit_processors",
+    "actorlm.gpu.platforms",
+    "actorlm.actors.eviction",
+    "actorlm.actors.hicache",
+    "actorlm.actors.roles",
+)
+
+
+def load_builtins() -> None:
+    """Import every built-in extension so the registries are complete (``actorlm plugins``)."""
+    import importlib
+
+    for name in BUILTIN_MODULES:
+        importlib.import_module(name)

@@ -135,4 +135,3 @@ def get_registry(kind: str, flag: str = "") -> Registry[Any]:
 
 def all_registries() -> dict[str, Registry[Any]]:
     return dict(_REGISTRIES)
-

@@ -50,12 +50,16 @@ class ForwardMeta:
         return len(self.extend_lens)
 
     @classmethod
-    def build(cls, seqs: Sequence[SeqSpec], page_size: int, device: torch.device | str = "cpu") -> ForwardMeta:
+    def build(
+        cls, seqs: Sequence[SeqSpec], page_size: int, device: torch.device | str = "cpu"
+    ) -> ForwardMeta:
         # numpy for the index arithmetic: a Python loop per token costs ~1 µs each.
         ids: list[int] = []
         starts = [s.start_pos for s in seqs]
         lens = [len(s.input_ids) for s in seqs]
-        row_starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64).tolist() if seqs else []
+        row_starts = (
+            np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64).tolist() if seqs else []
+        )
         positions = np.empty(sum(lens), dtype=np.int64)
         slots = np.empty(sum(lens), dtype=np.int64)
         sample_rows: list[int] = []

@@ -18,7 +18,19 @@ import numpy as np
 
 __all__ = ["GGUFArray", "GGUFFile", "GGUFTensor"]
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 KEEP_ARRAY_ITEMS = 256  # longer arrays keep only their length (read them with gguf.GGUFReader)
 

@@ -35,7 +35,14 @@ class KVPool:
         # One tensor so a page's K and V across all layers move with one index_select
         # (HiCache). [layers, 2 (k|v), pages, page_size, kv_heads, head_dim]
         self.kv = torch.zeros(
-            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=self.device
+            num_layers,
+            2,
+            num_pages,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=self.device,
         )
 
     @property

@@ -13,7 +13,13 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ModelInfo", "dtype_size", "kv_bytes_per_token", "kv_pages_for_budget", "load_model_info"]
+__all__ = [
+    "ModelInfo",
+    "dtype_size",
+    "kv_bytes_per_token",
+    "kv_pages_for_budget",
+    "load_model_info",
+]
 
 # llama.cpp architecture names → the HF class our model registry is keyed by.
 GGUF_ARCHITECTURES = {
@@ -66,7 +72,9 @@ def kv_pages_for_budget(info: ModelInfo, budget_bytes: float, page_size: int, dt
     """How many KV pages of ``page_size`` tokens fit in ``budget_bytes``."""
     pages = int(budget_bytes // (kv_bytes_per_token(info, dtype) * page_size))
     if pages < 1:
-        raise ValueError(f"KV budget of {budget_bytes / 2**20:.1f} MiB holds no page of {page_size} tokens")
+        raise ValueError(
+            f"KV budget of {budget_bytes / 2**20:.1f} MiB holds no page of {page_size} tokens"
+        )
     return pages
 
 
@@ -98,11 +106,15 @@ def hf_model_info(folder: Path) -> ModelInfo:
         eos = list(dict.fromkeys(eos + gen_eos))
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{folder}: hidden_act {cfg['hidden_act']!r} unsupported (Llama family uses silu)")
+        raise ValueError(
+            f"{folder}: hidden_act {cfg['hidden_act']!r} unsupported (Llama family uses silu)"
+        )
     # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling
     rope = dict(cfg.get("rope_parameters") or {})
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaling = cfg.get("rope_scaling") or (
+        rope if rope.get("rope_type", "default") != "default" else None
+    )
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") is False:  # Qwen2 carries a window it does not use
         window = None
@@ -135,7 +147,9 @@ def gguf_model_info(path: Path, gguf_file: Any = None) -> ModelInfo:
     f = gguf_file or GGUFFile(path)
     arch = f.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} unsupported; known: {', '.join(GGUF_ARCHITECTURES)}")
+        raise ValueError(
+            f"{path.name}: GGUF architecture {arch!r} unsupported; known: {', '.join(GGUF_ARCHITECTURES)}"
+        )
 
     def meta(key: str, default: Any = None) -> Any:
         return f.get(f"{arch}.{key}", default)
@@ -149,7 +163,10 @@ def gguf_model_info(path: Path, gguf_file: Any = None) -> ModelInfo:
     rope_scaling = None
     scaling_type = meta("rope.scaling.type")
     if scaling_type and scaling_type != "none":
-        rope_scaling = {"rope_type": scaling_type, "factor": float(meta("rope.scaling.factor", 1.0))}
+        rope_scaling = {
+            "rope_type": scaling_type,
+            "factor": float(meta("rope.scaling.factor", 1.0)),
+        }
     ctx = int(meta("context_length", 2048))
     bos = f.get("tokenizer.ggml.bos_token_id")
     return ModelInfo(

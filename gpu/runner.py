@@ -10,7 +10,6 @@ import time
 
 import msgspec
 import torch
-
 from actorlm.config import ModelConfig
 from actorlm.extensions.points import ATTENTION_BACKENDS
 from actorlm.messages.step import ForwardBatch, StepResult
@@ -28,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig) -> None:
-        torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.device = torch.device(cfg.device)
@@ -38,18 +37,37 @@ class ModelRunner:
         max_len = cfg.max_model_len or info.max_model_len
         if info.sliding_window and max_len > info.sliding_window:
             # Attention here is full, not windowed: within the window both agree.
-            log.info("capping max_model_len %d to the sliding window %d", max_len, info.sliding_window)
+            log.info(
+                "capping max_model_len %d to the sliding window %d", max_len, info.sliding_window
+            )
             max_len = info.sliding_window
         self.model, _ = load_model(cfg, max_model_len=max_len, loader=loader)
-        num_pages = cfg.num_pages or kv_pages_for_budget(info, cfg.kv_cache_gb * 2**30, cfg.page_size, cfg.dtype)
-        self.pool = KVPool(
-            info.num_layers, num_pages, cfg.page_size, info.num_kv_heads, info.head_dim, self.dtype, self.device
+        num_pages = cfg.num_pages or kv_pages_for_budget(
+            info, cfg.kv_cache_gb * 2**30, cfg.page_size, cfg.dtype
         )
-        log.info("KV pool: %d pages of %d tokens, %.1f MiB", num_pages, cfg.page_size, self.pool.nbytes / 2**20)
+        self.pool = KVPool(
+            info.num_layers,
+            num_pages,
+            cfg.page_size,
+            info.num_kv_heads,
+            info.head_dim,
+            self.dtype,
+            self.device,
+        )
+        log.info(
+            "KV pool: %d pages of %d tokens, %.1f MiB",
+            num_pages,
+            cfg.page_size,
+            self.pool.nbytes / 2**20,
+        )
         backend_cls = ATTENTION_BACKENDS.get(cfg.attention_backend or DEFAULT_BACKEND)
         self.backend = backend_cls(self.pool, info.num_heads, info.head_dim)
         self.info: ModelInfo = msgspec.structs.replace(
-            info, max_model_len=max_len, num_pages=num_pages, page_size=cfg.page_size, dtype=cfg.dtype
+            info,
+            max_model_len=max_len,
+            num_pages=num_pages,
+            page_size=cfg.page_size,
+            dtype=cfg.dtype,
         )
         from .sampling import Sampler
 
@@ -69,19 +87,27 @@ class ModelRunner:
             logits = self.forward_logits(batch)
             if rids:
                 results = self.sampler.sample(rids, logits)
-        return StepResult(step_id=batch.step_id, results=results, forward_ms=(time.perf_counter() - t0) * 1e3)
+        return StepResult(
+            step_id=batch.step_id, results=results, forward_ms=(time.perf_counter() - t0) * 1e3
+        )
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""
-        return self.run([SeqSpec(s.input_ids, s.start_pos, s.page_ids, s.sample) for s in batch.seqs])
+        return self.run(
+            [SeqSpec(s.input_ids, s.start_pos, s.page_ids, s.sample) for s in batch.seqs]
+        )
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSpec]) -> torch.Tensor:
         for s in seqs:
             if s.start_pos + len(s.input_ids) > self.info.max_model_len:
-                raise ValueError(f"sequence of {s.start_pos + len(s.input_ids)} tokens exceeds max_model_len {self.info.max_model_len}")
+                raise ValueError(
+                    f"sequence of {s.start_pos + len(s.input_ids)} tokens exceeds max_model_len {self.info.max_model_len}"
+                )
             if s.page_ids and max(s.page_ids) >= self.pool.num_pages:
-                raise ValueError(f"page id {max(s.page_ids)} out of range (pool has {self.pool.num_pages})")
+                raise ValueError(
+                    f"page id {max(s.page_ids)} out of range (pool has {self.pool.num_pages})"
+                )
         meta = ForwardMeta.build(seqs, self.pool.page_size, self.device)
         self.backend.init_forward_metadata(meta)
         return self.model(meta, self.backend)

@@ -31,7 +31,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
             return  # an abstract intermediate or a plain nested struct
         other = _BY_TAG.get(tag)
         if other is not None and other.__qualname__ != cls.__qualname__:
-            raise TypeError(f"message tag {tag!r} claimed by {other.__qualname__} and {cls.__qualname__}")
+            raise TypeError(
+                f"message tag {tag!r} claimed by {other.__qualname__} and {cls.__qualname__}"
+            )
         _BY_TAG[tag] = cls
 
 

@@ -82,9 +82,14 @@ class Codec:
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj)
-            self._out_frames.append(memoryview(arr).cast("B"))
-            return {"__tensor__": len(self._out_frames) - 1, "dtype": arr.dtype.str, "shape": list(arr.shape)}
+            # ascontiguousarray would turn a 0-d array into shape (1,): keep obj's shape.
+            arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+            self._out_frames.append(memoryview(arr.reshape(-1)).cast("B"))
+            return {
+                "__tensor__": len(self._out_frames) - 1,
+                "dtype": arr.dtype.str,
+                "shape": list(obj.shape),
+            }
         raise TypeError(f"cannot encode {type(obj).__name__} in a message")
 
     # -- decode ---------------------------------------------------------------
@@ -98,14 +103,17 @@ class Codec:
         size = sum(len(f) for f in frames)
         if size > self.max_message_bytes:
             raise MessageTooLarge(
-                f"message {env.tag!r} is {size} bytes, over the {self.max_message_bytes}-byte limit", env
+                f"message {env.tag!r} is {size} bytes, over the {self.max_message_bytes}-byte limit",
+                env,
             )
         decoder = self._decoders.get(env.tag)
         if decoder is None:
             cls = type_for_tag(env.tag)
             if cls is None:
                 raise DecodeError(f"unknown message tag {env.tag!r}", env)
-            decoder = self._decoders[env.tag] = msgspec.msgpack.Decoder(cls, dec_hook=self._dec_hook)
+            decoder = self._decoders[env.tag] = msgspec.msgpack.Decoder(
+                cls, dec_hook=self._dec_hook
+            )
         self._in_frames = frames
         try:
             msg = decoder.decode(frames[1])

@@ -8,9 +8,13 @@ __all__ = ["DEFAULT_BACKEND"]
 DEFAULT_BACKEND = "torch"
 
 ATTENTION_BACKENDS.register(
-    "torch", "actorlm.gpu.attention.torch_native:TorchNativeBackend", help="pure PyTorch, any device"
+    "torch",
+    "actorlm.gpu.attention.torch_native:TorchNativeBackend",
+    help="pure PyTorch, any device",
 )
 ATTENTION_BACKENDS.register(
     "flashinfer", "actorlm.gpu.attention.cuda:FlashInferBackend", help="CUDA only (flashinfer)"
 )
-ATTENTION_BACKENDS.register("triton", "actorlm.gpu.attention.cuda:TritonBackend", help="CUDA only (triton)")
+ATTENTION_BACKENDS.register(
+    "triton", "actorlm.gpu.attention.cuda:TritonBackend", help="CUDA only (triton)"
+)

@@ -19,9 +19,13 @@ __all__ = ["AttentionBackend"]
 
 
 class AttentionBackend(ABC):
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None) -> None:
+    def __init__(
+        self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None
+    ) -> None:
         if num_heads % pool.num_kv_heads:
-            raise ValueError(f"{num_heads} query heads do not group over {pool.num_kv_heads} KV heads")
+            raise ValueError(
+                f"{num_heads} query heads do not group over {pool.num_kv_heads} KV heads"
+            )
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = pool.num_kv_heads

@@ -29,15 +29,22 @@ class _CudaBackend(TorchNativeBackend):
     module = ""
     pip_name = ""
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None) -> None:
+    def __init__(
+        self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None
+    ) -> None:
         if pool.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(
                 f"attention backend {self.name!r} needs a CUDA device, but the KV pool is on "
                 f"{pool.device}; use --attention-backend torch on this machine"
             )
         if importlib.util.find_spec(self.module) is None:
-            raise RuntimeError(f"attention backend {self.name!r} needs `pip install {self.pip_name}`")
-        log.warning("attention backend %r: kernels not wired yet, running the torch reference path", self.name)
+            raise RuntimeError(
+                f"attention backend {self.name!r} needs `pip install {self.pip_name}`"
+            )
+        log.warning(
+            "attention backend %r: kernels not wired yet, running the torch reference path",
+            self.name,
+        )
         super().__init__(pool, num_heads, head_dim, scale)
 
 

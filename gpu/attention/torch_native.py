@@ -82,15 +82,18 @@ class TorchNativeBackend(AttentionBackend):
             if n == 1:
                 continue
             r0, start = meta.row_starts[i], meta.start_pos[i]
-            pages = mask = None
+            page_ids: torch.Tensor | None = None
+            causal: torch.Tensor | None = None
             if start > 0:
                 total = start + n
-                pages = torch.tensor(meta.page_tables[i][: -(-total // ps)], dtype=torch.long, device=device)
+                page_ids = torch.tensor(
+                    meta.page_tables[i][: -(-total // ps)], dtype=torch.long, device=device
+                )
                 # query j sits at position start + j and sees keys 0 .. start + j
-                mask = torch.arange(total, device=device)[None, :] <= (
+                causal = torch.arange(total, device=device)[None, :] <= (
                     torch.arange(n, device=device)[:, None] + start
                 )
-            prefills.append(_Prefill(slice(r0, r0 + n), start, pages, mask))
+            prefills.append(_Prefill(slice(r0, r0 + n), start, page_ids, causal))
         whole = (decode is not None and not prefills and isinstance(decode.rows, slice)) or (
             decode is None and len(prefills) == 1
         )
@@ -121,26 +124,48 @@ class TorchNativeBackend(AttentionBackend):
         B = d.page_table.shape[0]
         Hkv, D = self.num_kv_heads, self.head_dim
         qd = q[d.rows].view(B, Hkv, -1, D)  # [B, Hkv, G, D]: the G heads of a group as G queries
-        # [B, P, page, Hkv, D] → [B, Hkv, L, D]
-        keys = self.pool.k_pages(layer)[d.page_table].view(B, -1, Hkv, D)[:, : d.key_len].transpose(1, 2)
-        vals = self.pool.v_pages(layer)[d.page_table].view(B, -1, Hkv, D)[:, : d.key_len].transpose(1, 2)
+        keys = self._gather(self.pool.k_pages(layer), d.page_table, B, d.key_len)
+        vals = self._gather(self.pool.v_pages(layer), d.page_table, B, d.key_len)
         out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.mask, scale=self.scale)
         return out.reshape(B, -1)  # [B, H * D]
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, p: _Prefill) -> torch.Tensor:
+    def _gather(
+        self, pages: torch.Tensor, table: torch.Tensor, batch: int, key_len: int
+    ) -> torch.Tensor:
+        """pages [P, page, Hkv, D], table [B, n] → keys [B, Hkv, key_len, D], contiguous.
+
+        index_select on whole pages copies page-sized runs (advanced indexing is ~5x
+        slower here), and SDPA runs faster on contiguous heads than on a strided view.
+        """
+        Hkv, D = self.num_kv_heads, self.head_dim
+        flat = pages.index_select(0, table.view(-1)).view(
+            batch, -1, Hkv, D
+        )  # [B, n * page, Hkv, D]
+        return flat[:, :key_len].transpose(1, 2).contiguous()
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, p: _Prefill
+    ) -> torch.Tensor:
         n, H, D = q.shape
-        Hkv = self.num_kv_heads
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.pages is None:
-            keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            keys, vals = (
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+            )  # [1, Hkv, n, D]
             out = F.scaled_dot_product_attention(
-                qh, keys, vals, is_causal=True, scale=self.scale, enable_gqa=H != Hkv
+                qh, keys, vals, is_causal=True, scale=self.scale, enable_gqa=self.num_kv_heads != H
             )
         else:
             total = p.start_pos + n
-            keys = self.pool.k_pages(layer)[p.pages].view(-1, Hkv, D)[:total].transpose(0, 1).unsqueeze(0)
-            vals = self.pool.v_pages(layer)[p.pages].view(-1, Hkv, D)[:total].transpose(0, 1).unsqueeze(0)
+            keys = self._gather(self.pool.k_pages(layer), p.pages, 1, total)  # [1, Hkv, total, D]
+            vals = self._gather(self.pool.v_pages(layer), p.pages, 1, total)
             out = F.scaled_dot_product_attention(
-                qh, keys, vals, attn_mask=p.mask, scale=self.scale, enable_gqa=H != Hkv
+                qh,
+                keys,
+                vals,
+                attn_mask=p.mask,
+                scale=self.scale,
+                enable_gqa=self.num_kv_heads != H,
             )
         return out[0].transpose(0, 1).reshape(n, H * D)

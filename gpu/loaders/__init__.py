@@ -5,9 +5,15 @@ from actorlm.extensions.points import WEIGHT_LOADERS
 __all__: list[str] = []
 
 WEIGHT_LOADERS.register(
-    "safetensors", "actorlm.gpu.loaders.safetensors:SafetensorsLoader", help="HF folder, a shard at a time"
+    "safetensors",
+    "actorlm.gpu.loaders.safetensors:SafetensorsLoader",
+    help="HF folder, a shard at a time",
 )
 WEIGHT_LOADERS.register(
-    "layered", "actorlm.gpu.loaders.layered:LayeredLoader", help="HF folder, a tensor at a time (low peak memory)"
+    "layered",
+    "actorlm.gpu.loaders.layered:LayeredLoader",
+    help="HF folder, a tensor at a time (low peak memory)",
 )
-WEIGHT_LOADERS.register("gguf", "actorlm.gpu.loaders.gguf:GGUFLoader", help="llama.cpp GGUF, dequantized")
+WEIGHT_LOADERS.register(
+    "gguf", "actorlm.gpu.loaders.gguf:GGUFLoader", help="llama.cpp GGUF, dequantized"
+)

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from tqdm import tqdm
-
 from actorlm.config import ModelConfig
 from actorlm.extensions.points import WEIGHT_LOADERS
+from tqdm import tqdm
 
 from ..model_info import ModelInfo
 
@@ -51,7 +50,9 @@ class WeightLoader(ABC):
         t0 = time.perf_counter()
         loaded: set[str] = set()
         desc = f"loading {self.path.name} ({self.name})"
-        for name, tensor in tqdm(self.weights(), total=self.num_weights(), desc=desc, unit="tensor", leave=False):
+        for name, tensor in tqdm(
+            self.weights(), total=self.num_weights(), desc=desc, unit="tensor", leave=False
+        ):
             key = model.load_weight(name, tensor, device, dtype)
             if key is not None:
                 loaded.add(key)

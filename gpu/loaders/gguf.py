@@ -7,6 +7,7 @@ kernel on Llama models; ``weights`` undoes that so the model sees HF layout.
 from __future__ import annotations
 
 from collections.abc import Iterator
+
 import numpy as np
 import torch
 

@@ -36,11 +36,17 @@ class Attention(nn.Module):
     def __init__(self, info: ModelInfo, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads, info.num_kv_heads, info.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            info.num_heads,
+            info.num_kv_heads,
+            info.head_dim,
+        )
         self.q_size = info.num_heads * info.head_dim
         self.kv_size = info.num_kv_heads * info.head_dim
         # rows: [q | k | v]
-        self.qkv_proj = nn.Linear(info.hidden_size, self.q_size + 2 * self.kv_size, bias=info.attention_bias)
+        self.qkv_proj = nn.Linear(
+            info.hidden_size, self.q_size + 2 * self.kv_size, bias=info.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, info.hidden_size, bias=False)
 
     def forward(
@@ -103,7 +109,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(info.hidden_size, info.vocab_size, bias=False)
         max_len = max(max_model_len or 0, info.max_model_len, info.max_position_embeddings)
-        self.rope = Rope(info.head_dim, info.rope_theta, max_len, info.rope_scaling, info.max_position_embeddings)
+        self.rope = Rope(
+            info.head_dim, info.rope_theta, max_len, info.rope_scaling, info.max_position_embeddings
+        )
         # HF tensor name → (our parameter, which shard of its rows)
         q, kv = info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim
         inter = info.intermediate_size
@@ -135,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
     # Loading: parameters may sit on the meta device until their first tensor arrives,
     # so a loader can materialize the model one tensor at a time (low peak memory).
 
-    def load_weight(self, name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> str | None:
+    def load_weight(
+        self, name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> str | None:
         """Copy one HF-named tensor in; returns what it filled (``finish_loading`` checks
         the set), None if the tensor is not needed."""
         if "rotary_emb.inv_freq" in name:
@@ -151,7 +161,9 @@ class LlamaForCausalLM(nn.Module):
             param = self._materialize(target, device, dtype)
         rows = param.data if shard is None else param.data.narrow(0, shard[1], shard[2])
         if rows.shape != tensor.shape:
-            raise ValueError(f"{name}: expected shape {tuple(rows.shape)}, file has {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name}: expected shape {tuple(rows.shape)}, file has {tuple(tensor.shape)}"
+            )
         rows.copy_(tensor)
         return f"{target}:{proj}" if shard else target
 
@@ -166,7 +178,11 @@ class LlamaForCausalLM(nn.Module):
     def finish_loading(self, loaded: set[str]) -> None:
         expected = []
         for n, p in self.named_parameters():
-            fused = [proj for proj, (param, _, _) in self._shards.items() if n.endswith(f".{param}.weight")]
+            fused = [
+                proj
+                for proj, (param, _, _) in self._shards.items()
+                if n.endswith(f".{param}.weight")
+            ]
             if n.endswith("qkv_proj.bias"):
                 fused = ["q_proj", "k_proj", "v_proj"]
             expected += [f"{n}:{proj}" for proj in fused] if fused else [n]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from actorlm.extensions.points import MODELS
+from torch import nn
 
 from ..model_info import ModelInfo
 

@@ -15,7 +15,9 @@ __all__ = ["Rope"]
 
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))  # [dim/2]
+    return 1.0 / (
+        base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )  # [dim/2]
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -34,7 +36,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 class Rope:
     """cos/sin tables for positions [0, max_len), built lazily on the first device seen."""
 
-    def __init__(self, head_dim: int, base: float, max_len: int, scaling: dict[str, Any] | None, max_pos: int):
+    def __init__(
+        self, head_dim: int, base: float, max_len: int, scaling: dict[str, Any] | None, max_pos: int
+    ):
         self.head_dim = head_dim
         self.base = base
         self.max_len = max_len
@@ -43,7 +47,9 @@ class Rope:
         self.kind = scaling.get("rope_type") or scaling.get("type") or "default"
         self.factor = float(scaling.get("factor", 1.0))
         if self.kind not in ("default", "linear", "dynamic", "llama3"):
-            raise ValueError(f"RoPE scaling {self.kind!r} unsupported; known: default, linear, dynamic, llama3")
+            raise ValueError(
+                f"RoPE scaling {self.kind!r} unsupported; known: default, linear, dynamic, llama3"
+            )
         inv = _inv_freq(head_dim, base)
         if self.kind == "linear":
             inv = inv / self.factor
@@ -52,8 +58,12 @@ class Rope:
         self.inv_freq = inv
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _table(self, inv_freq: torch.Tensor, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(length, dtype=torch.float32, device="cpu"), inv_freq)  # [L, D/2]
+    def _table(
+        self, inv_freq: torch.Tensor, length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(
+            torch.arange(length, dtype=torch.float32, device="cpu"), inv_freq
+        )  # [L, D/2]
         return freqs.cos().to(device), freqs.sin().to(device)
 
     def cos_sin(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,11 +74,13 @@ class Rope:
                 self.head_dim / (self.head_dim - 2)
             )
             freqs = torch.outer(positions.float().cpu(), _inv_freq(self.head_dim, base))  # [T, D/2]
-            return freqs.cos().to(positions.device)[:, None], freqs.sin().to(positions.device)[:, None]
+            return freqs.cos().to(positions.device)[:, None], freqs.sin().to(positions.device)[
+                :, None
+            ]
         if self._tables is None or self._tables[0].device != positions.device:
             self._tables = self._table(self.inv_freq, self.max_len, positions.device)
         cos, sin = self._tables
-        return cos[positions][:, None], sin[positions][:, None]
+        return cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

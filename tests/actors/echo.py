@@ -68,3 +68,61 @@ class ClientActor(Actor):
     """The test's own end: no inbox beyond replies."""
 
     role = "client"
+
+
+class Ask(Message, frozen=True, kw_only=True):
+    """Make the relay request ``Ping(payload)`` from ``to``; it answers the pong's length."""
+
+    TAG: ClassVar[str] = "test.ask"
+    to: str
+    payload: bytes = b""
+    timeout: float = 5.0
+
+
+class Gather(Message, frozen=True, kw_only=True):
+    """Make the relay stream ``Count(n)`` from ``to``; it answers the sum of the items."""
+
+    TAG: ClassVar[str] = "test.gather"
+    to: str
+    n: int
+
+
+class RelayActor(Actor):
+    """An actor that talks to peers: the harness tests play those peers."""
+
+    role = "relay"
+    inbox = (Ask, Gather, Count)
+
+    def __init__(self, config: object = None) -> None:
+        super().__init__(config)  # type: ignore[arg-type]
+        self.events: list[str] = []
+
+    async def on_start(self) -> None:
+        self.events.append("start")
+
+    async def on_stop(self) -> None:
+        self.events.append("stop")
+
+    async def on_peer_down(self, role: str, reason: str) -> None:
+        self.events.append(f"down:{role}")
+
+    @handles(Ask)
+    async def on_ask(self, msg: Ask, env: Envelope) -> Item:
+        pong = await self.request(msg.to, Ping(payload=msg.payload), timeout=msg.timeout)
+        assert isinstance(pong, Pong)
+        return Item(i=len(pong.payload))
+
+    @handles(Gather)
+    async def on_gather(self, msg: Gather, env: Envelope) -> Item:
+        total = 0
+        async for item in self.stream(msg.to, Count(n=msg.n)):
+            assert isinstance(item, Item)
+            total += item.i
+        return Item(i=total)
+
+    @handles(Count)
+    async def on_count(self, msg: Count, env: Envelope) -> None:
+        """Fire ``n`` items at ``sink``, yielding to the loop between them."""
+        for i in range(msg.n):
+            await self.send("sink", Item(i=i))
+            await asyncio.sleep(0)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from actorlm.config import ModelConfig
 from actorlm.gpu.runner import ModelRunner
 from actorlm.messages.sampling import SamplingParams
@@ -55,7 +54,11 @@ class Seq:
         """The next SeqStep: (the rest of / a chunk of) the prompt, or one decode token."""
         todo = self.tokens[self.cached :]
         ids = todo if chunk is None else todo[:chunk]
-        init = None if self.started else SeqInit(sampling=GREEDY, token_ids=self.prompt, prompt_len=len(self.prompt))
+        init = (
+            None
+            if self.started
+            else SeqInit(sampling=GREEDY, token_ids=self.prompt, prompt_len=len(self.prompt))
+        )
         self.started = True
         end = self.cached + len(ids)
         sample = end == len(self.tokens)

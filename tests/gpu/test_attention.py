@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from actorlm.extensions.points import ATTENTION_BACKENDS
 from actorlm.extensions.registry import UnknownNameError
 from actorlm.gpu.forward_meta import SeqSpec
@@ -29,8 +28,10 @@ def runner(tiny_llama: Path) -> ModelRunner:
 
 
 def test_ragged_batch_gives_same_tokens_as_each_request_alone(runner: ModelRunner) -> None:
-    alone = {rid: greedy(runner, rid, p, STEPS, Pages(first=300)) for rid, p in
-             [("a", PROMPT_A), ("b", PROMPT_B), ("c", PROMPT_C)]}
+    alone = {
+        rid: greedy(runner, rid, p, STEPS, Pages(first=300))
+        for rid, p in [("a", PROMPT_A), ("b", PROMPT_B), ("c", PROMPT_C)]
+    }
     pages = Pages()
     a, b, c = Seq("a", PROMPT_A, pages), Seq("b", PROMPT_B, pages), Seq("c", PROMPT_C, pages)
     run_step(runner, [a], [a.step()])  # a: fresh prefill
@@ -47,7 +48,10 @@ def test_ragged_batch_gives_same_tokens_as_each_request_alone(runner: ModelRunne
 
 def test_decode_rows_not_contiguous(runner: ModelRunner) -> None:
     # decodes on either side of a prefill: the backend scatters their rows back
-    alone = {rid: greedy(runner, rid, p, 3, Pages(first=300)) for rid, p in [("a", PROMPT_A), ("c", PROMPT_C)]}
+    alone = {
+        rid: greedy(runner, rid, p, 3, Pages(first=300))
+        for rid, p in [("a", PROMPT_A), ("c", PROMPT_C)]
+    }
     pages = Pages()
     a, b, c = Seq("a", PROMPT_A, pages), Seq("b", PROMPT_B, pages), Seq("c", PROMPT_C, pages)
     run_step(runner, [a, c], [a.step(), c.step()])
@@ -72,7 +76,14 @@ def test_pages_saved_and_restored_elsewhere_resume_the_same(runner: ModelRunner)
     prompt = list(range(700, 733))  # 33 tokens: pages 10, 11, 12
     runner.run([SeqSpec(prompt, 0, [10, 11, 12], sample=False)])
     saved = runner.pool.read_pages_numpy([10, 11, 12])
-    assert saved.shape == (runner.info.num_layers, 2, 3, 16, runner.info.num_kv_heads, runner.info.head_dim)
+    assert saved.shape == (
+        runner.info.num_layers,
+        2,
+        3,
+        16,
+        runner.info.num_kv_heads,
+        runner.info.head_dim,
+    )
     runner.pool.write_pages_numpy([40, 41, 42], saved)
     resumed = runner.run([SeqSpec([5], 33, [40, 41, 42])])
     original = runner.run([SeqSpec([5], 33, [10, 11, 12])])
@@ -81,7 +92,9 @@ def test_pages_saved_and_restored_elsewhere_resume_the_same(runner: ModelRunner)
 
 
 def test_kv_pool_layout() -> None:
-    pool = KVPool(num_layers=2, num_pages=4, page_size=8, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)
+    pool = KVPool(
+        num_layers=2, num_pages=4, page_size=8, num_kv_heads=2, head_dim=4, dtype=torch.bfloat16
+    )
     k = torch.randn(3, 2, 4)
     pool.write(1, torch.tensor([0, 9, 31]), k, -k)
     assert torch.equal(pool.k_pages(1)[1, 1], k[1].to(torch.bfloat16))  # slot 9 = page 1, offset 1
@@ -97,7 +110,9 @@ def test_cuda_backends_refuse_cpu_clearly(name: str) -> None:
     import actorlm.gpu.attention  # noqa: F401  (registers the built-ins)
 
     pool = KVPool(1, 1, 16, 1, 8, torch.float32)
-    with pytest.raises(RuntimeError, match=f"{name}.*needs a CUDA device.*--attention-backend torch"):
+    with pytest.raises(
+        RuntimeError, match=f"{name}.*needs a CUDA device.*--attention-backend torch"
+    ):
         ATTENTION_BACKENDS.get(name)(pool, 1, 8)
 
 

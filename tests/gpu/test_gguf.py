@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from actorlm.gpu.gguf_file import GGUFFile
 from actorlm.gpu.loaders.gguf import gguf_tensor_name, unpermute_rope_rows
 from actorlm.gpu.model_info import kv_bytes_per_token, kv_pages_for_budget, load_model_info
@@ -17,7 +16,12 @@ from .helpers import Pages, greedy, hf_greedy, make_runner
 
 def test_model_info_from_gguf_metadata(default_gguf: Path) -> None:
     info = load_model_info(default_gguf)
-    assert (info.architecture, info.num_layers, info.num_heads, info.num_kv_heads) == ("LlamaForCausalLM", 30, 9, 3)
+    assert (info.architecture, info.num_layers, info.num_heads, info.num_kv_heads) == (
+        "LlamaForCausalLM",
+        30,
+        9,
+        3,
+    )
     assert (info.head_dim, info.vocab_size, info.max_model_len) == (64, 49152, 8192)
     assert (info.eos_token_ids, info.bos_token_id, info.tie_word_embeddings) == ([2], 1, True)
     assert kv_bytes_per_token(info, "float32") == 2 * 30 * 3 * 64 * 4
@@ -28,7 +32,12 @@ def test_model_info_from_gguf_metadata(default_gguf: Path) -> None:
 
 def test_model_info_from_hf_folder(tiny_llama: Path) -> None:
     info = load_model_info(tiny_llama)
-    assert (info.architecture, info.num_layers, info.num_kv_heads, info.head_dim) == ("LlamaForCausalLM", 2, 2, 16)
+    assert (info.architecture, info.num_layers, info.num_kv_heads, info.head_dim) == (
+        "LlamaForCausalLM",
+        2,
+        2,
+        16,
+    )
     assert (info.eos_token_ids, info.bos_token_id, info.source_format) == ([2], 1, "safetensors")
 
 
@@ -45,15 +54,23 @@ def test_gguf_names_and_unpermute(default_gguf: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_default_gguf_greedy_64_matches_transformers(default_gguf: Path, tokenizer_dir: Path) -> None:
+def test_default_gguf_greedy_64_matches_transformers(
+    default_gguf: Path, tokenizer_dir: Path
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "Write a short poem about the sea."}], add_generation_prompt=True, tokenize=True
+        [{"role": "user", "content": "Write a short poem about the sea."}],
+        add_generation_prompt=True,
+        tokenize=True,
     )
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    prompt = list(
+        prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    )
     runner = make_runner(default_gguf, num_pages=64)
     ours = greedy(runner, "g", prompt, 64, Pages())
-    ref = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
+    )
     assert ours == hf_greedy(ref.eval(), prompt, 64), tok.decode(ours)

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from actorlm.config import ModelConfig
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.loaders.base import load_model
-from actorlm.config import ModelConfig
 
 from .helpers import Pages, greedy, hf_greedy, hf_last_logits, hf_model, make_runner
 
@@ -19,7 +18,9 @@ PROMPTS = [list(range(100, 141)), [5, 17, 923, 4, 4, 88, 1200, 31, 7], [42]]
 
 
 @pytest.fixture(scope="module")
-def qwen2_with_bias(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def qwen2_with_bias(
+    tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """Tiny Qwen2 whose q/k/v biases are non-zero (random init leaves them at zero)."""
     src = tiny_model_factory("qwen2")
     model = hf_model(src)
@@ -70,7 +71,9 @@ def test_layered_loader_gives_identical_weights(tiny_llama: Path) -> None:
     for name in a:
         assert torch.equal(a[name], b[name]), name
     runner = make_runner(tiny_llama, load_format="layered")
-    diff = (runner.run([SeqSpec(PROMPTS[0], 0, [0, 1, 2])])[0] - hf_last_logits(hf_model(tiny_llama), PROMPTS[0]))
+    diff = runner.run([SeqSpec(PROMPTS[0], 0, [0, 1, 2])])[0] - hf_last_logits(
+        hf_model(tiny_llama), PROMPTS[0]
+    )
     assert diff.abs().max().item() < TOL
 
 
@@ -79,16 +82,28 @@ def test_layered_loader_gives_identical_weights(tiny_llama: Path) -> None:
     [
         {"rope_type": "linear", "factor": 2.0},
         {"rope_type": "dynamic", "factor": 2.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 16},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     ],
     ids=lambda r: r["rope_type"],
 )
-def test_rope_scaling_matches_transformers(rope: dict, tiny_model_factory: Callable[..., Path]) -> None:
+def test_rope_scaling_matches_transformers(
+    rope: dict, tiny_model_factory: Callable[..., Path]
+) -> None:
     # a short trained context so a 41-token prompt runs past it (dynamic rescales there)
-    path = tiny_model_factory("llama", max_position_embeddings=32, rope_parameters={"rope_theta": 10000.0, **rope})
+    path = tiny_model_factory(
+        "llama", max_position_embeddings=32, rope_parameters={"rope_theta": 10000.0, **rope}
+    )
     runner = make_runner(path, max_model_len=256)
-    assert runner.info.rope_scaling is not None and runner.info.rope_scaling["rope_type"] == rope["rope_type"]
+    assert (
+        runner.info.rope_scaling is not None
+        and runner.info.rope_scaling["rope_type"] == rope["rope_type"]
+    )
     ours = runner.run([SeqSpec(PROMPTS[0], 0, [0, 1, 2])])[0]
     diff = (ours - hf_last_logits(hf_model(path), PROMPTS[0])).abs().max().item()
     assert diff < TOL

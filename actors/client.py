@@ -1,0 +1,147 @@
+"""The client end of the pipeline, shared by the HTTP gateway and the Python Engine.
+
+A :class:`ClientActor` lives in the caller's process and event loop. It sends
+``GenerateRequest`` to the tokenizer and receives batched ``TextBatch``
+outputs, which :class:`EngineClient` fans out to one queue per request. When a
+pipeline actor dies, every in-flight request ends at once with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..config import EngineConfig
+from ..messages.control import ErrorReply, FlushCache, GetInfo, GetStats, Info, Stats
+from ..messages.envelope import Envelope
+from ..messages.generate import AbortRequest, GenerateRequest, TextBatch, TextDelta
+from .runtime import Actor, ActorError, handles
+
+__all__ = ["PIPELINE_ROLES", "ClientActor", "EngineClient", "RequestFailed"]
+
+PIPELINE_ROLES = ("tokenizer", "scheduler", "cache_manager", "worker")
+
+
+class RequestFailed(Exception):
+    """A generate request ended with an error; ``status`` is HTTP-like (400, 413, 503...)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ClientActor(Actor):
+    role = "client"
+    inbox = (TextBatch,)
+
+    def __init__(self, config: EngineConfig, role: str = "") -> None:
+        super().__init__(config)
+        self.role = role or f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}"  # type: ignore[misc]
+        self.streams: dict[str, asyncio.Queue[TextDelta]] = {}
+        self.sent: dict[int, str] = {}  # message id of a GenerateRequest → rid
+
+    @handles(TextBatch)
+    async def on_text(self, msg: TextBatch, env: Envelope) -> None:
+        for delta in msg.items:
+            queue = self.streams.get(delta.rid)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        for rid, queue in self.streams.items():
+            queue.put_nowait(
+                TextDelta(rid=rid, finish_reason="error", error=message, error_code=status)
+            )
+
+    async def on_peer_down(self, role: str, reason: str) -> None:
+        if role in PIPELINE_ROLES:
+            self.fail_all(f"the {role} actor died ({reason}); request aborted")
+
+    async def on_error(self, env: Envelope, error: ErrorReply) -> None:
+        rid = self.sent.pop(env.reply_to, None)
+        queue = self.streams.get(rid) if rid else None
+        if queue is not None:
+            queue.put_nowait(
+                TextDelta(
+                    rid=rid or "",
+                    finish_reason="error",
+                    error=error.message,
+                    error_code=error.status,
+                )
+            )
+
+
+class EngineClient:
+    """Async API over the actors: ``generate`` streams ``TextDelta`` for one request."""
+
+    def __init__(self, actor: ClientActor, tokenizer: str = "tokenizer") -> None:
+        self.actor = actor
+        self.tokenizer = tokenizer
+        self._rids = itertools.count()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.actor.streams)
+
+    def new_rid(self) -> str:
+        return f"{uuid.uuid4().hex[:16]}{next(self._rids)}"
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TextDelta]:
+        """Yield deltas until one has ``finish_reason``. Errors come as a final delta
+        with ``finish_reason="error"``; closing the iterator early aborts the request."""
+        if req.rid in self.actor.streams:
+            raise RequestFailed(f"request id {req.rid!r} is already in flight", 400)
+        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+        self.actor.streams[req.rid] = queue
+        finished = False
+        try:
+            try:
+                msg_id = await self.actor.send(self.tokenizer, req)
+            except ActorError as exc:
+                raise RequestFailed(str(exc), exc.status) from None
+            self.actor.sent[msg_id] = req.rid
+            while True:
+                delta = await queue.get()
+                if delta.finish_reason is not None:
+                    finished = True
+                yield delta
+                if finished:
+                    return
+        finally:
+            self.actor.streams.pop(req.rid, None)
+            self.actor.sent = {k: v for k, v in self.actor.sent.items() if v != req.rid}
+            if not finished:
+                await self.abort(req.rid)
+
+    async def abort(self, rid: str) -> None:
+        """Stop ``rid`` wherever it is; its KV pages are returned."""
+        for role in ("tokenizer", "scheduler"):
+            if role not in self.actor.runtime.down:
+                with contextlib.suppress(ActorError):
+                    await self.actor.send(role, AbortRequest(rid=rid))
+
+    async def flush_cache(self) -> bool:
+        reply = await self.actor.request("cache_manager", FlushCache(), timeout=30)
+        return bool(getattr(reply, "ok", False))
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        """Every pipeline actor's stats (an actor that is down is reported as such)."""
+
+        async def one(role: str) -> tuple[str, dict[str, Any]]:
+            try:
+                reply = await self.actor.request(role, GetStats(), timeout=5)
+            except ActorError as exc:
+                return role, {"error": str(exc)}
+            return role, dict(reply.values) if isinstance(reply, Stats) else {}
+
+        pairs = await asyncio.gather(*(one(r) for r in PIPELINE_ROLES))
+        return dict(pairs)
+
+    async def info(self, role: str = "worker") -> dict[str, Any]:
+        reply = await self.actor.request(role, GetInfo(), timeout=10)
+        return dict(reply.values) if isinstance(reply, Info) else {}

@@ -1,0 +1,255 @@
+"""Actor round trip and throughput beside raw pyzmq + msgpack, over ipc and tcp.
+
+Two processes each way. The actor path uses the real Launcher (one actor
+process) and an ActorRuntime client in this process, on uvloop; the raw path is
+a blocking PUSH/PULL pair per direction with msgpack, the same envelope and
+body sizes, measured in the same run. Latency: request → reply, p50/p99.
+Throughput: one-way messages/s (the last one is a request, answered once the
+receiver has seen them all).
+
+    python bench/actor_rtt.py --iters 5000 --msgs 50000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgpack
+import zmq
+from actorlm.actors.process import event_loop_runner
+from actorlm.actors.runtime import Actor, ActorRuntime, RuntimeOptions, handles
+from actorlm.actors.supervisor import Launcher
+from actorlm.config import DeployConfig, EngineConfig
+from actorlm.messages.base import Message
+from actorlm.messages.control import Ack, Ping, Pong
+from actorlm.messages.envelope import Envelope
+
+# The actor process imports this file by name: "actor_rtt" when run as a script.
+_MODULE = (
+    __spec__.name if __spec__ is not None and __spec__.name != "__main__" else Path(__file__).stem
+)
+
+
+class Tick(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "bench.tick"
+    i: int
+    payload: bytes = b""
+
+
+class BenchEcho(Actor):
+    role = "echo"
+    inbox = (Ping, Tick)
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.seen = 0
+
+    @handles(Ping)
+    async def on_ping(self, msg: Ping, env: Envelope) -> Pong:
+        return Pong(payload=msg.payload)
+
+    @handles(Tick)
+    async def on_tick(self, msg: Tick, env: Envelope) -> Ack:
+        self.seen += 1
+        return Ack(detail=str(self.seen))
+
+
+class BenchClient(Actor):
+    role = "bench-client"
+
+
+def percentiles(samples_ns: list[int]) -> tuple[float, float]:
+    ordered = sorted(samples_ns)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return statistics.median(ordered) / 1e3, p99 / 1e3
+
+
+# -- the actor path ------------------------------------------------------------------
+async def actor_run(
+    transport: str, payload: bytes, iters: int, msgs: int, warmup: int
+) -> dict[str, Any]:
+    # The launcher shares this loop with the sending client: a burst of sends must not
+    # look like a hung actor to its heartbeat watch.
+    deploy = DeployConfig(transport=transport, heartbeat_s=1.0, heartbeat_misses=60)  # type: ignore[arg-type]
+    cfg = EngineConfig(deploy=deploy)
+    launcher = Launcher(cfg, {"echo": f"{_MODULE}:BenchEcho"})
+    await launcher.start(timeout=60)
+    client = ActorRuntime(
+        BenchClient(cfg), launcher.new_address("bench-client"), launcher.transport, RuntimeOptions()
+    )
+    launcher.attach(client)
+    serve = asyncio.create_task(client.serve())
+    await client.ready.wait()
+    try:
+        ping = Ping(payload=payload)
+        for _ in range(warmup):
+            await client.request("echo", ping)
+        samples = []
+        clock = time.perf_counter_ns
+        for _ in range(iters):
+            t0 = clock()
+            await client.request("echo", ping)
+            samples.append(clock() - t0)
+        await client.request("echo", Tick(i=-1, payload=payload))  # warm the Tick path
+        t0 = time.perf_counter()
+        for i in range(msgs - 1):
+            await client.send("echo", Tick(i=i, payload=payload))
+        last = await client.request("echo", Tick(i=msgs - 1, payload=payload), timeout=120)
+        elapsed = time.perf_counter() - t0
+        assert isinstance(last, Ack) and int(last.detail) >= msgs, last
+    finally:
+        client.stop()
+        await serve
+        await launcher.stop()
+    p50, p99 = percentiles(samples)
+    return {"p50_us": p50, "p99_us": p99, "msgs_per_s": msgs / elapsed}
+
+
+# -- the raw path ---------------------------------------------------------------------
+def _raw_server(inbox: str, outbox: str) -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(inbox)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(outbox)
+    seen = 0
+    while True:
+        env_frame, body_frame = pull.recv_multipart()
+        env = msgpack.unpackb(env_frame)
+        body = msgpack.unpackb(body_frame)
+        if env[0] == "stop":
+            break
+        if env[0] == "bench.tick":
+            seen += 1
+            if env[3] != 1:  # a one-way send: no reply
+                continue
+            body = {"ok": True, "detail": str(seen)}
+        reply = msgpack.packb(["reply", env[1], "echo", 2, env[1], inbox, None])
+        push.send_multipart([reply, msgpack.packb(body)])
+    pull.close(0)
+    push.close(0)
+    ctx.term()
+
+
+def raw_run(transport: str, payload: bytes, iters: int, msgs: int, warmup: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="actorlm-rtt-") as tmp:
+        if transport == "ipc":
+            server_addr, client_addr = f"ipc://{tmp}/server.sock", f"ipc://{tmp}/client.sock"
+        else:
+            server_addr, client_addr = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(client_addr)
+        client_addr = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        if transport == "tcp":
+            with zmq.Context().socket(zmq.PULL) as probe:  # pick a free port for the server
+                probe.bind(server_addr)
+                server_addr = probe.getsockopt_string(zmq.LAST_ENDPOINT)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_raw_server, args=(server_addr, client_addr)
+        )
+        proc.start()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(server_addr)
+        ids = iter(range(1, 1 << 62))
+
+        def call(tag: str, body: dict[str, Any], kind: int = 1) -> Any:
+            push.send_multipart(
+                [
+                    msgpack.packb([tag, next(ids), "client", kind, 0, client_addr, None]),
+                    msgpack.packb(body),
+                ]
+            )
+            if kind != 1:
+                return None
+            env_frame, body_frame = pull.recv_multipart()
+            msgpack.unpackb(env_frame)
+            return msgpack.unpackb(body_frame)
+
+        ping = {"payload": payload}
+        for _ in range(warmup):
+            call("ctl.ping", ping)
+        samples = []
+        clock = time.perf_counter_ns
+        for _ in range(iters):
+            t0 = clock()
+            call("ctl.ping", ping)
+            samples.append(clock() - t0)
+        t0 = time.perf_counter()
+        for i in range(msgs - 1):
+            call("bench.tick", {"i": i, "payload": payload}, kind=0)
+        last = call("bench.tick", {"i": msgs - 1, "payload": payload})
+        elapsed = time.perf_counter() - t0
+        assert int(last["detail"]) == msgs, last
+        push.send_multipart(
+            [msgpack.packb(["stop", 0, "client", 0, 0, "", None]), msgpack.packb({})]
+        )
+        proc.join(10)
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+    p50, p99 = percentiles(samples)
+    return {"p50_us": p50, "p99_us": p99, "msgs_per_s": msgs / elapsed}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| transport | path | rtt p50 µs | rtt p99 µs | one-way msg/s | rtt p50 ÷ raw | raw msg/s ÷ msg/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['transport']} | {r['path']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | {r['msgs_per_s']:,.0f}"
+            f" | {r.get('rtt_ratio', 1.0):.2f}× | {r.get('tput_ratio', 1.0):.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--iters", type=int, default=5000, help="timed round trips per path")
+    parser.add_argument("--warmup", type=int, default=500, help="untimed round trips first")
+    parser.add_argument("--msgs", type=int, default=50000, help="one-way messages for throughput")
+    parser.add_argument("--payload", type=int, default=64, help="payload bytes per message")
+    parser.add_argument("--transports", default="ipc,tcp", help="comma-separated: ipc,tcp")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "actor_rtt.json"))
+    args = parser.parse_args(argv)
+    payload = b"x" * args.payload
+    rows: list[dict[str, Any]] = []
+    run = event_loop_runner()
+    for transport in args.transports.split(","):
+        raw = raw_run(transport, payload, args.iters, args.msgs, args.warmup)
+        actor = run(actor_run(transport, payload, args.iters, args.msgs, args.warmup))
+        actor["rtt_ratio"] = actor["p50_us"] / raw["p50_us"]
+        actor["tput_ratio"] = raw["msgs_per_s"] / actor["msgs_per_s"]
+        rows += [
+            {"transport": transport, "path": "raw pyzmq+msgpack", **raw},
+            {"transport": transport, "path": "actorlm", **actor},
+        ]
+    print(table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "iters": args.iters,
+        "msgs": args.msgs,
+        "payload": args.payload,
+        "python": sys.version.split()[0],
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nraw results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure the gateway reports, from bad JSON to a dead actor, leaves through
+:class:`ApiError` so clients (the ``openai`` package in particular) can read the
+status, the message and a stable code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["ApiError", "error_payload", "error_response", "error_type"]
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    501: "not_implemented_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    if status in _TYPES:
+        return _TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+class ApiError(Exception):
+    """An error answer: raise it anywhere below a handler; the error middleware renders it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code or error_type(status)
+        self.param = param
+        self.headers = headers or {}
+
+    def payload(self) -> dict[str, Any]:
+        return error_payload(self.status, self.message, self.code, self.param)
+
+
+def error_payload(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": error_type(status),
+            "param": param,
+            "code": code or error_type(status),
+        }
+    }
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.payload(), status=err.status, headers=err.headers)

@@ -1,0 +1,245 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+Response objects follow OpenAI's shapes field for field, so the ``openai``
+package (and anything written against it) reads them unchanged. Streams wait
+for the first delta before sending headers: a request the pipeline rejects
+(prompt too long, say) still gets a proper 4xx instead of a 200 stream that
+carries an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from ..messages.generate import TextDelta, TokenLogprob, Usage
+from .openai_parse import Job, parse_chat, parse_completion
+from .params import read_json
+from .state import STATE, GatewayState
+from .streams import Fanout, SseWriter, delta_error
+
+__all__ = ["chat_completions", "completions", "list_models", "routes"]
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprob_entries(items: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": _bytes(lp.token),
+            "top_logprobs": [
+                {"token": t, "logprob": v, "bytes": _bytes(t)} for t, _id, v in lp.top
+            ],
+        }
+        for lp in items
+    ]
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions shape; ``offset`` is where this text starts in the choice."""
+    offsets = []
+    for lp in items:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{t: v for t, _id, v in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    chars: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    started: bool = False  # chat streams: the role chunk was sent
+
+    def add(self, delta: TextDelta) -> None:
+        self.text.append(delta.text)
+        self.chars += len(delta.text)
+        self.logprobs.extend(delta.logprobs or [])
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.usage = delta.usage
+
+
+def total_usage(job: Job, choices: list[Choice]) -> dict[str, Any]:
+    """Prompts count once however many choices share them (as OpenAI bills ``n``)."""
+    prompt = cached = completion = 0
+    for c in choices:
+        if c.usage is None:
+            continue
+        completion += c.usage.completion_tokens
+        if c.index % job.n == 0:
+            prompt += c.usage.prompt_tokens
+            cached += c.usage.cached_tokens
+    return usage_dict(prompt, completion, cached)
+
+
+def _envelope(job: Job, obj: str) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "system_fingerprint": None,
+    }
+
+
+def full_response(job: Job, choices: list[Choice]) -> dict[str, Any]:
+    out = _envelope(job, "text_completion" if job.kind == "completion" else "chat.completion")
+    rendered = []
+    for c in choices:
+        text = "".join(c.text)
+        if job.kind == "completion":
+            lps = completion_logprobs(c.logprobs, 0) if job.logprobs else None
+            rendered.append(
+                {"index": c.index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason}
+            )
+        else:
+            lps = (
+                {"content": chat_logprob_entries(c.logprobs), "refusal": None}
+                if job.logprobs
+                else None
+            )
+            message = {"role": "assistant", "content": text, "refusal": None}
+            rendered.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": lps,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+    out["choices"] = rendered
+    out["usage"] = total_usage(job, choices)
+    return out
+
+
+def chunk(job: Job, choice: Choice, delta: TextDelta, *, role: bool = False) -> dict[str, Any]:
+    """One streamed chunk for ``delta`` of ``choice`` (``choice`` already includes it)."""
+    finish = delta.finish_reason
+    lp_items = delta.logprobs or []
+    if job.kind == "completion":
+        obj = _envelope(job, "text_completion")
+        lps = (
+            completion_logprobs(lp_items, choice.chars - len(delta.text)) if job.logprobs else None
+        )
+        body = {"index": choice.index, "text": delta.text, "logprobs": lps, "finish_reason": finish}
+    else:
+        obj = _envelope(job, "chat.completion.chunk")
+        content: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if delta.text:
+            content["content"] = delta.text
+        lps = (
+            {"content": chat_logprob_entries(lp_items), "refusal": None}
+            if job.logprobs and lp_items
+            else None
+        )
+        body = {"index": choice.index, "delta": content, "logprobs": lps, "finish_reason": finish}
+    obj["choices"] = [body]
+    if job.include_usage:
+        obj["usage"] = None
+    return obj
+
+
+async def run_job(request: web.Request, state: GatewayState, job: Job) -> web.StreamResponse:
+    client = state.admit(len(job.reqs))
+    choices = [Choice(i) for i in range(len(job.reqs))]
+    async with Fanout(client, job.reqs, state.metrics) as fan:
+        if not job.stream:
+            async for index, delta in fan:
+                if delta.finish_reason == "error":
+                    raise delta_error(delta)
+                choices[index].add(delta)
+            return web.json_response(full_response(job, choices))
+        sse: SseWriter | None = None
+        async for index, delta in fan:
+            if delta.finish_reason == "error":
+                if sse is None:
+                    raise delta_error(delta)  # nothing sent yet: a plain HTTP error
+                await sse.send(delta_error(delta).payload())
+                return await sse.done()
+            if sse is None:
+                sse = await SseWriter.open(request)
+            choice = choices[index]
+            choice.add(delta)
+            role = job.kind == "chat" and not choice.started
+            choice.started = True
+            if role or delta.text or delta.logprobs or delta.finish_reason:
+                await sse.send(chunk(job, choice, delta, role=role))
+        assert sse is not None
+        if job.include_usage:
+            obj = _envelope(
+                job, "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+            )
+            obj["choices"] = []
+            obj["usage"] = total_usage(job, choices)
+            await sse.send(obj)
+        return await sse.done()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_completion(await read_json(request, state.config.server.max_body_bytes), state)
+    return await run_job(request, state, job)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    job = parse_chat(await read_json(request, state.config.server.max_body_bytes), state)
+    return await run_job(request, state, job)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "actorlm",
+        "root": state.config.model.path or state.model_name,
+        "parent": None,
+        "max_model_len": state.limits.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def model_card(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    state.check_model(name)
+    return web.json_response(
+        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "actorlm"}
+    )
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat_completions),
+        web.get("/v1/models", list_models),
+        web.get("/v1/models/{model:.+}", model_card),
+    ]

@@ -1,0 +1,207 @@
+"""OpenAI request bodies → the ``GenerateRequest``s that serve them.
+
+One OpenAI request becomes ``len(prompts) * n`` engine requests; choice ``i`` of
+prompt ``p`` has index ``p * n + i``, rid ``<id>-<index>`` and, when a seed is
+given, seed ``seed + i`` (so a prompt's choices differ, yet each one is
+reproducible on its own).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ..messages.generate import ChatMessage, GenerateRequest
+from ..messages.sampling import SamplingParams
+from .errors import ApiError
+from .params import Fields, ModelLimits, checked_sampling, openai_sampling
+from .state import GatewayState
+
+__all__ = ["Job", "parse_chat", "parse_completion"]
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = SamplingParams().max_new_tokens
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class Job:
+    """One OpenAI request, parsed: what to run and how to shape the answer."""
+
+    kind: str  # "completion" | "chat"
+    id: str
+    model: str
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    reqs: list[GenerateRequest] = field(default_factory=list)
+
+
+def _common(f: Fields, state: GatewayState, kind: str, prefix: str) -> Job:
+    state.check_model(f.str("model"))
+    f.str("user")  # accepted for compatibility; only its type is checked
+    n = f.int("n", 1) or 1
+    if n < 1:
+        raise ApiError(400, f"n must be >= 1, got {n}", param="n")
+    stream = bool(f.bool("stream", False))
+    opts = f.object("stream_options")
+    include_usage = (
+        bool(opts.bool("include_usage", False)) if opts is not None and stream else False
+    )
+    return Job(
+        kind=kind,
+        id=f"{prefix}-{uuid.uuid4().hex}",
+        model=state.model_name,
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=False,
+    )
+
+
+def _max_tokens(f: Fields, keys: tuple[str, ...], default: int, limits: ModelLimits) -> int:
+    for key in keys:
+        value = f.int(key)
+        if value is not None:
+            if value < 1:
+                raise ApiError(400, f"{key} must be >= 1, got {value}", param=key)
+            return value
+    return min(default, limits.max_model_len)
+
+
+def _fan_out(job: Job, sampling: SamplingParams, prompts: list[dict[str, Any]]) -> None:
+    for p, prompt in enumerate(prompts):
+        for i in range(job.n):
+            seed = None if sampling.seed is None else sampling.seed + i
+            params = msgspec.structs.replace(sampling, seed=seed)
+            job.reqs.append(
+                GenerateRequest(rid=f"{job.id}-{p * job.n + i}", sampling=params, **prompt)
+            )
+
+
+def _reject_unsupported(f: Fields, n: int) -> None:
+    """Completions options we do not implement: an error beats silently ignoring them."""
+    for name, used in (
+        ("echo", bool(f.raw("echo"))),
+        ("suffix", bool(f.raw("suffix"))),
+        ("best_of", f.raw("best_of") not in (None, n)),
+    ):
+        if used:
+            raise ApiError(
+                400,
+                f"'{name}' is not supported by this server",
+                code="unsupported_parameter",
+                param=name,
+            )
+
+
+def _prompts(f: Fields) -> list[dict[str, Any]]:
+    value = f.raw("prompt")
+    bad = f.bad(
+        "prompt", "a string, a list of strings, a list of token ids or a list of such lists", value
+    )
+    if isinstance(value, str):
+        return [{"text": value}]
+    if not isinstance(value, list) or not value:
+        raise bad
+    if all(isinstance(v, str) for v in value):
+        return [{"text": v} for v in value]
+    ints = Fields({"ids": value})
+    if all(isinstance(v, int) for v in value):
+        return [{"input_ids": ints.int_list("ids")}]
+    if all(isinstance(v, list) and v for v in value):
+        return [{"input_ids": Fields({"ids": v}).int_list("ids")} for v in value]
+    raise bad
+
+
+def parse_completion(body: Any, state: GatewayState) -> Job:
+    f = Fields(body)
+    job = _common(f, state, "completion", "cmpl")
+    _reject_unsupported(f, job.n)
+    prompts = _prompts(f)
+    top = f.int("logprobs")
+    job.logprobs = top is not None
+    max_tokens = _max_tokens(f, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS, state.limits)
+    sampling = openai_sampling(
+        f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
+    )
+    _fan_out(job, checked_sampling(sampling, state.limits), prompts)
+    return job
+
+
+def _chat_message(item: Any, index: int) -> ChatMessage:
+    f = Fields(item, f"messages[{index}]")
+    role = f.str("role")
+    if role not in CHAT_ROLES:
+        raise ApiError(
+            400,
+            f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+            param="messages",
+        )
+    content = f.raw("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            pf = Fields(part, f"messages[{index}].content[{j}]")
+            if pf.str("type") != "text" or not isinstance(pf.raw("text"), str):
+                raise ApiError(
+                    400,
+                    f"messages[{index}].content[{j}]: only text parts are supported "
+                    '({"type": "text", "text": "..."})',
+                    param="messages",
+                )
+        content = "".join(part["text"] for part in content)
+    elif content is not None and not isinstance(content, str):
+        raise f.bad("content", "a string, a list of text parts or null", content)
+    if content is None and role != "assistant":
+        raise ApiError(
+            400, f"messages[{index}].content is required for role {role!r}", param="messages"
+        )
+    return ChatMessage(role=role, content=content, name=f.str("name"))
+
+
+def parse_chat(body: Any, state: GatewayState) -> Job:
+    f = Fields(body)
+    job = _common(f, state, "chat", "chatcmpl")
+    raw_messages = f.raw("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise f.bad("messages", "a non-empty list of messages", raw_messages)
+    messages = [_chat_message(m, i) for i, m in enumerate(raw_messages)]
+    if f.raw("tools") and f.raw("tool_choice") != "none":
+        raise ApiError(
+            400,
+            "tool calling is not supported by this server",
+            code="unsupported_parameter",
+            param="tools",
+        )
+    fmt = f.object("response_format")
+    if fmt is not None and fmt.str("type") not in (None, "text"):
+        raise ApiError(
+            400,
+            "response_format other than 'text' is not supported yet",
+            code="unsupported_parameter",
+            param="response_format",
+        )
+    job.logprobs = bool(f.bool("logprobs", False))
+    top = f.int("top_logprobs")
+    if top is not None and not job.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    max_tokens = _max_tokens(
+        f, ("max_completion_tokens", "max_tokens"), CHAT_DEFAULT_MAX_TOKENS, state.limits
+    )
+    sampling = openai_sampling(
+        f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
+    )
+    kwargs = f.object("chat_template_kwargs")
+    prompt: dict[str, Any] = {
+        "messages": messages,
+        "add_generation_prompt": bool(f.bool("add_generation_prompt", True)),
+        "chat_template_kwargs": dict(kwargs.body) if kwargs is not None else {},
+    }
+    _fan_out(job, checked_sampling(sampling, state.limits), [prompt])
+    return job

@@ -1,0 +1,102 @@
+"""What every handler shares: the config, the engine client once it exists, readiness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ..actors.client import EngineClient
+from ..config import EngineConfig
+from .errors import ApiError
+from .metrics import GatewayMetrics
+from .params import ModelLimits
+
+__all__ = ["STATE", "GatewayState", "served_model_name"]
+
+DEFAULT_ALIAS = "default"
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """``--served-model-name``, else the model folder's name or the GGUF file's stem."""
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    path = Path(config.model.path)
+    if not config.model.path:
+        return DEFAULT_ALIAS
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+@dataclass
+class GatewayState:
+    config: EngineConfig
+    limits: ModelLimits
+    model_name: str = ""
+    client: EngineClient | None = None
+    ready: bool = False
+    draining: bool = False
+    startup_error: str = ""
+    model_facts: dict[str, Any] = field(default_factory=dict)  # the worker's READY info
+    metrics: GatewayMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model_name = self.model_name or served_model_name(self.config)
+        self.metrics = GatewayMetrics(self.model_name)
+
+    @property
+    def aliases(self) -> set[str]:
+        names = {self.model_name, DEFAULT_ALIAS}
+        if self.config.model.path:
+            names.add(self.config.model.path)
+            names.add(Path(self.config.model.path).name)
+        return names
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (absent means the served one)."""
+        if name is not None and name not in self.aliases:
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                code="model_not_found",
+                param="model",
+            )
+
+    def engine(self) -> EngineClient:
+        """The client, or 503 while loading, after a failed start or while shutting down."""
+        if self.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down",
+                code="shutting_down",
+                headers={"Retry-After": "5"},
+            )
+        if self.client is None or not self.ready:
+            why = self.startup_error or "the model is still loading"
+            raise ApiError(503, why, code="not_ready", headers={"Retry-After": "2"})
+        down = self.client.actor.runtime.down
+        if down:
+            raise ApiError(
+                503,
+                f"actor(s) {', '.join(sorted(down))} are down; try again shortly",
+                code="actor_down",
+                headers={"Retry-After": "2"},
+            )
+        return self.client
+
+    def admit(self, count: int) -> EngineClient:
+        """The client, if ``count`` more requests fit under ``max_queued_requests`` (else 429)."""
+        client = self.engine()
+        limit = self.config.scheduler.max_queued_requests
+        if limit > 0 and client.in_flight + count > limit:
+            raise ApiError(
+                429,
+                f"too many requests in flight ({client.in_flight} of at most {limit}); retry later",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        return client
+
+
+STATE = web.AppKey("actorlm_gateway_state", GatewayState)

@@ -1,0 +1,135 @@
+"""Running the engine requests behind one HTTP request and merging their deltas.
+
+An OpenAI request with ``n`` choices (or several prompts) becomes several
+``GenerateRequest``s; each runs in its own task so a slow choice never holds up
+another. Leaving the ``async with`` for any reason, a client disconnect
+included (aiohttp cancels the handler), cancels those tasks, which closes each
+``EngineClient.generate`` iterator, which aborts its request in the pipeline and
+frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+
+from ..actors.client import EngineClient, RequestFailed
+from ..actors.runtime import ActorError
+from ..messages.generate import GenerateRequest, TextDelta
+from .errors import ApiError
+from .metrics import GatewayMetrics
+
+__all__ = ["Fanout", "SseWriter", "delta_error", "failure_error"]
+
+
+def delta_error(delta: TextDelta) -> ApiError:
+    """The ApiError an error delta stands for (a client's fault keeps its 4xx status)."""
+    status = delta.error_code or 500
+    message = delta.error or "the request failed"
+    code = "context_length_exceeded" if status in (400, 413) and "context" in message else None
+    return ApiError(status, message, code=code)
+
+
+def failure_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, RequestFailed):
+        return ApiError(exc.status, str(exc))
+    if isinstance(exc, ActorError):
+        return ApiError(exc.status, str(exc), code=exc.code)
+    return ApiError(500, f"internal error: {type(exc).__name__}")
+
+
+class Fanout:
+    """``async with Fanout(client, reqs, metrics) as fan: async for index, delta in fan: ...``
+
+    Every request yields its deltas in order, ending with the one that has a
+    ``finish_reason``; a request whose stream raised ends with an error delta.
+    """
+
+    def __init__(
+        self, client: EngineClient, reqs: Sequence[GenerateRequest], metrics: GatewayMetrics
+    ) -> None:
+        self.client = client
+        self.reqs = list(reqs)
+        self.metrics = metrics
+        self.queue: asyncio.Queue[tuple[int, TextDelta]] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Fanout:
+        self.tasks = [asyncio.create_task(self._pump(i, req)) for i, req in enumerate(self.reqs)]
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for task in self.tasks:
+            task.cancel()
+        # Shielded: the aborts must reach the pipeline even when our own task is being cancelled.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(asyncio.gather(*self.tasks, return_exceptions=True))
+
+    async def _pump(self, index: int, req: GenerateRequest) -> None:
+        trace = self.metrics.trace()
+        try:
+            async with contextlib.aclosing(self.client.generate(req)) as stream:
+                async for delta in stream:
+                    trace.on_delta(delta)
+                    self.queue.put_nowait((index, delta))
+        except asyncio.CancelledError:
+            trace.finish("abort")
+            raise
+        except Exception as exc:
+            err = failure_error(exc)
+            trace.finish("error")
+            self.queue.put_nowait(
+                (
+                    index,
+                    TextDelta(
+                        rid=req.rid, finish_reason="error", error=err.message, error_code=err.status
+                    ),
+                )
+            )
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        remaining = len(self.reqs)
+        while remaining:
+            index, delta = await self.queue.get()
+            if delta.finish_reason is not None:
+                remaining -= 1
+            yield index, delta
+
+
+class SseWriter:
+    """Server-sent events: ``data: <json>\\n\\n`` per event, ``data: [DONE]\\n\\n`` at the end."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+
+    @classmethod
+    async def open(cls, request: web.Request) -> SseWriter:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # proxies must not hold events back
+            }
+        )
+        await response.prepare(request)
+        return cls(response)
+
+    async def send(self, event: Any) -> None:
+        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        await self.response.write(f"data: {data}\n\n".encode())
+
+    async def done(self) -> web.StreamResponse:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response

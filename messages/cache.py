@@ -1,0 +1,74 @@
+"""scheduler ⇄ cache_manager: at most one CacheStep exchange per forward step.
+
+The cache manager applies a step's operations in a fixed order: finishes,
+releases, commits, extends, then admits (so pages freed by the first ones serve
+the last ones).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from .base import Message
+
+__all__ = [
+    "AdmitOp",
+    "Admitted",
+    "CacheStep",
+    "CacheStepResult",
+    "CommitOp",
+    "ExtendOp",
+    "FinishOp",
+]
+
+
+class FinishOp(msgspec.Struct, frozen=True, array_like=True):
+    rid: str
+    token_ids: list[int]  # the tokens whose KV the request's pages hold
+    cache: bool = True  # insert its full pages into the prefix tree
+
+
+class CommitOp(msgspec.Struct, frozen=True, array_like=True):
+    """Share a running request's computed full pages now (after its prefill)."""
+
+    rid: str
+    token_ids: list[int]
+
+
+class ExtendOp(msgspec.Struct, frozen=True, array_like=True):
+    rid: str
+    num_pages: int
+
+
+class AdmitOp(msgspec.Struct, frozen=True, array_like=True):
+    rid: str
+    token_ids: list[int]
+    extra_pages: int = 0
+    priority: int = 0
+
+
+class CacheStep(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "cache.step"
+    finishes: list[FinishOp] = []
+    releases: list[str] = []
+    commits: list[CommitOp] = []
+    extends: list[ExtendOp] = []
+    admits: list[AdmitOp] = []  # tried in order; stops at the first that does not fit
+    longest_prefix_first: bool = False  # reorder admits by cached prefix length (lpm)
+
+
+class Admitted(msgspec.Struct, frozen=True, array_like=True):
+    rid: str
+    cached_len: int
+    page_ids: list[int]
+
+
+class CacheStepResult(Message, frozen=True, kw_only=True):
+    TAG: ClassVar[str] = "cache.step_result"
+    admitted: list[Admitted] = []  # in admission order; the rest stay waiting
+    extended: dict[str, list[int]] = {}  # rid → new pages; a missing rid was refused
+    committed: dict[str, list[int]] = {}  # rid → its page table after sharing
+    pages_free: int = 0
+    pages_total: int = 0
