@@ -76,6 +76,9 @@ class BatchPlanner:
         self._worker_release: list[str] = []
         self._extends: dict[str, int] = {}
         self._deltas: list[TokenDelta] = []
+        # After a retraction, admit nothing until a request ends: admitting into the
+        # pages a retraction just freed would only cause the next retraction.
+        self._hold_admission = False
         self.stats = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
@@ -156,6 +159,8 @@ class BatchPlanner:
                     self._extends[req.rid] = need
         admits: list[AdmitOp] = []
         slots = self.cfg.max_running_requests - len(self.running)
+        if self._hold_admission and self.running:
+            slots = 0
         if slots > 0 and self.waiting:
             budget = 4 * self.cfg.max_prefill_tokens
             for req in self._candidates(slots):
@@ -213,6 +218,7 @@ class BatchPlanner:
         victim.needs_init = True
         self.waiting[victim.rid] = victim
         self.stats["retractions"] += 1
+        self._hold_admission = True
 
     def build_batch(self, step_id: int) -> ForwardBatch:
         budget = self.cfg.max_prefill_tokens
@@ -298,6 +304,7 @@ class BatchPlanner:
         return None
 
     def _finish_pages(self, req: Req, cache: bool) -> None:
+        self._hold_admission = False
         self._finishes.append(
             FinishOp(req.rid, req.ids[: req.computed], cache and self.prefix_cache)
         )

@@ -196,7 +196,11 @@ class ActorRuntime:
     """Runs one actor: binds its inbox at ``address``, dispatches, sends."""
 
     def __init__(
-        self, actor: Actor, address: str, transport: Transport, options: RuntimeOptions | None = None
+        self,
+        actor: Actor,
+        address: str,
+        transport: Transport,
+        options: RuntimeOptions | None = None,
     ) -> None:
         self.actor = actor
         self.role = actor.role
@@ -216,6 +220,7 @@ class ActorRuntime:
         self._inbox: Inbox | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
+        self._backlog: list[tuple[Envelope, Message]] = []
         actor.runtime = self
 
     # -- lifecycle -----------------------------------------------------------
@@ -225,8 +230,19 @@ class ActorRuntime:
         recv = asyncio.create_task(self._recv_loop(), name=f"{self.role}-recv")
         beat: asyncio.Task[Any] | None = None
         try:
-            await self.actor.on_start()
+            start = asyncio.create_task(self.actor.on_start())
+            stopping = asyncio.create_task(self._stopping.wait())
+            await asyncio.wait({start, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():  # told to stop while still starting (a slow model load)
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                return
+            stopping.cancel()
+            start.result()
             self.ready.set()
+            backlog, self._backlog = self._backlog, []
+            for env, msg in backlog:  # what arrived while on_start ran, in arrival order
+                await self._dispatch_message(env, msg)
             if self.options.supervisor:
                 info = self.actor.ready_info()
                 await self.send(
@@ -270,7 +286,12 @@ class ActorRuntime:
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("%s: background task %s failed", self.role, task.get_name(), exc_info=task.exception())
+            log.error(
+                "%s: background task %s failed",
+                self.role,
+                task.get_name(),
+                exc_info=task.exception(),
+            )
 
     async def _heartbeat_loop(self) -> None:
         beat = Heartbeat(role=self.role, pid=os.getpid())
@@ -314,19 +335,23 @@ class ActorRuntime:
         if to in self.down:
             raise ActorDied(f"actor {to!r} is down")
         msg_id = next(self._ids)
-        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Message] = loop.create_future()
         self._pending[msg_id] = _Pending(to, future=future)
+        limit = self._timeout(timeout)
+        # A timer on the future, not asyncio.wait_for: wait_for costs a task
+        # switch and callbacks on every request; the timer is one heap entry.
+        timer = loop.call_later(limit, _expire, future, to, msg.TAG, limit)
         try:
             await self._emit(to, msg, Kind.REQUEST, msg_id)
-            return await asyncio.wait_for(future, self._timeout(timeout))
-        except TimeoutError:
-            raise RequestTimeout(
-                f"{to!r} did not answer {msg.TAG!r} within {self._timeout(timeout):g}s"
-            ) from None
+            return await future
         finally:
+            timer.cancel()
             self._pending.pop(msg_id, None)
 
-    async def stream(self, to: str, msg: Message, timeout: float | None = None) -> AsyncIterator[Message]:
+    async def stream(
+        self, to: str, msg: Message, timeout: float | None = None
+    ) -> AsyncIterator[Message]:
         """Items of a streamed reply; ``timeout`` bounds the wait for each item."""
         if to in self.down:
             raise ActorDied(f"actor {to!r} is down")
@@ -392,7 +417,9 @@ class ActorRuntime:
             if env.kind in (Kind.SEND, Kind.REQUEST):
                 await self._reply_error(env, "rejected", exc.reason, exc.status)
             elif env.reply_to in self._pending:
-                self._deliver(env.reply_to, Kind.ERROR, ErrorReply(code="rejected", message=exc.reason))
+                self._deliver(
+                    env.reply_to, Kind.ERROR, ErrorReply(code="rejected", message=exc.reason)
+                )
             return None
         return None if out is DROP else out
 
@@ -428,14 +455,23 @@ class ActorRuntime:
         intercepted = await self._intercept_in(env, msg)
         if intercepted is None:
             return
-        msg = intercepted
+        if not self.ready.is_set() and not isinstance(intercepted, (PeerDown, PeerUp, Shutdown)):
+            # Not started yet: handlers would see a half-built actor. Even Ping waits,
+            # so a peer that pings until it gets an answer knows we are ready.
+            self._backlog.append((env, intercepted))
+            return
+        await self._dispatch_message(env, intercepted)
+
+    async def _dispatch_message(self, env: Envelope, msg: Message) -> None:
         builtin = self._builtin(env, msg)
         if builtin is not None:
             await builtin
             return
         name = self.actor.handlers.get(type(msg))
         if name is None:
-            await self._reply_error(env, "no_handler", f"{self.role} does not accept {env.tag!r}", 400)
+            await self._reply_error(
+                env, "no_handler", f"{self.role} does not accept {env.tag!r}", 400
+            )
             return
         self.spawn(self._dispatch(env, msg, getattr(self.actor, name)))
 
@@ -456,7 +492,9 @@ class ActorRuntime:
 
     async def _peer_down(self, msg: PeerDown) -> None:
         self.down.add(msg.role)
-        self._fail_pending(lambda p: p.to == msg.role, ActorDied(f"actor {msg.role!r} died: {msg.reason}"))
+        self._fail_pending(
+            lambda p: p.to == msg.role, ActorDied(f"actor {msg.role!r} died: {msg.reason}")
+        )
         await self._guard(self.actor.on_peer_down(msg.role, msg.reason), msg)
 
     async def _peer_up(self, msg: PeerUp) -> None:
@@ -496,10 +534,16 @@ class ActorRuntime:
             await self._reply_error(env, exc.code, str(exc), exc.status)
         except Exception as exc:
             log.exception("%s: handler for %s failed", self.role, env.tag)
-            await self._reply_error(env, "handler_error", f"{self.role}: {type(exc).__name__}: {exc}", 500)
+            await self._reply_error(
+                env, "handler_error", f"{self.role}: {type(exc).__name__}: {exc}", 500
+            )
             await self._guard(self.actor.on_failure(exc, msg), msg)
 
 
 async def _done() -> None:
     return None
 
+
+def _expire(future: asyncio.Future[Message], to: str, tag: str, limit: float) -> None:
+    if not future.done():
+        future.set_exception(RequestTimeout(f"{to!r} did not answer {tag!r} within {limit:g}s"))

@@ -50,7 +50,8 @@ def _schema_hook(typ: type) -> dict[str, Any]:
 def message_schemas() -> dict[str, dict[str, Any]]:
     """tag → JSON schema of the message body, for every registered message."""
     return {
-        tag: msgspec.json.schema(cls, schema_hook=_schema_hook) for tag, cls in load_message_modules().items()
+        tag: msgspec.json.schema(cls, schema_hook=_schema_hook)
+        for tag, cls in load_message_modules().items()
     }
 
 
@@ -66,7 +67,11 @@ def _default(field: msgspec.structs.FieldInfo) -> str:
         return ""
     if field.default is not msgspec.NODEFAULT:
         value = field.default
-        return f" = {value!r}" if not isinstance(value, msgspec.Struct) else f" = {type(value).__name__}()"
+        return (
+            f" = {value!r}"
+            if not isinstance(value, msgspec.Struct)
+            else f" = {type(value).__name__}()"
+        )
     empty = {list: "[]", dict: "{}", set: "set()"}.get(field.default_factory)  # type: ignore[call-overload]
     return f" = {empty or getattr(field.default_factory, '__name__', 'factory') + '()'}"
 

@@ -166,6 +166,7 @@ class _Member:
     last_beat: float = 0.0
     restarts: int = 0
     alive: bool = False
+    pid: int = 0
 
 
 class _SupervisorActor(Actor):
@@ -181,6 +182,7 @@ class _SupervisorActor(Actor):
         member = self.launcher.members.get(msg.role)
         if member is not None:
             member.info = dict(msg.info)
+            member.pid = msg.pid
             member.last_beat = time.monotonic()
             member.alive = True
             member.ready.set()
@@ -406,9 +408,16 @@ class Launcher:
     async def _watch_heartbeats(self) -> None:
         deploy = self.config.deploy
         limit = deploy.heartbeat_s * deploy.heartbeat_misses
+        last = time.monotonic()
         while True:
             await asyncio.sleep(deploy.heartbeat_s)
             now = time.monotonic()
+            if now - last > 2 * deploy.heartbeat_s:
+                # This loop itself was starved (a busy client on the same loop): heartbeats
+                # may sit unread in our inbox, so do not blame the actors for our lateness.
+                for member in self.members.values():
+                    member.last_beat = max(member.last_beat, now)
+            last = now
             for member in self.members.values():
                 if self._stopping:
                     return

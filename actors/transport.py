@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -52,14 +53,53 @@ def ipc_path(address: str) -> str | None:
 
 
 class _ZmqInbox:
-    def __init__(self, sock: zmq.asyncio.Socket, address: str) -> None:
+    """A PULL socket read straight off the event loop.
+
+    zmq.asyncio costs a future and a poller round per message. Instead the
+    socket's FD is watched once (``add_reader``) and each wake-up drains every
+    queued message with non-blocking receives, so a burst costs one wake-up and
+    ``recv`` returns without suspending while frames are queued. The ZMQ FD is
+    edge-triggered: it only fires again after a receive has returned ``Again``,
+    which is why the drain always runs until then.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
         self._sock = sock
         self._address = address
+        self._queue: deque[list[bytes]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = sock.getsockopt(zmq.FD)
+
+    def _drain(self) -> None:
+        recv, queue = self._sock.recv_multipart, self._queue
+        try:
+            while True:
+                queue.append(recv(zmq.NOBLOCK))
+        except zmq.Again:
+            pass
+        waiter = self._waiter
+        if queue and waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def recv(self) -> list[bytes]:
-        return await self._sock.recv_multipart()
+        queue = self._queue
+        if not queue:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+                self._loop.add_reader(self._fd, self._drain)
+            self._drain()  # frames that came before the reader was watching
+            while not queue:
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        return queue.popleft()
 
     def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
         self._sock.close(linger=0)
         path = ipc_path(self._address)
         if path:
@@ -68,11 +108,18 @@ class _ZmqInbox:
 
 
 class _ZmqOutbox:
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+    """A PUSH socket with no send limit: a non-blocking send always succeeds
+    at once, so no future is made; ``Again`` (never expected) falls back to zmq.asyncio."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self._sock = sock
 
     async def send(self, frames: Frames) -> None:
-        await self._sock.send_multipart(frames, copy=False)
+        try:
+            # copy=False: tensor frames go zero-copy; pyzmq still copies small ones.
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            await zmq.asyncio.Socket.shadow(self._sock.underlying).send_multipart(frames, copy=False)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -85,6 +132,8 @@ class ZmqTransport:
     def __init__(self, context: zmq.asyncio.Context | None = None) -> None:
         self._own_context = context is None
         self.context = context or zmq.asyncio.Context()
+        # Plain sockets on the same libzmq context (inproc peers must share it).
+        self._sync = zmq.Context.shadow(self.context.underlying)
 
     def bind(self, address: str) -> Inbox:
         path = ipc_path(address)
@@ -92,13 +141,13 @@ class ZmqTransport:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a stale file from a crashed run
-        sock = self.context.socket(zmq.PULL)
+        sock: zmq.Socket[bytes] = self._sync.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.bind(address)
         return _ZmqInbox(sock, address)
 
     def connect(self, address: str) -> Outbox:
-        sock = self.context.socket(zmq.PUSH)
+        sock: zmq.Socket[bytes] = self._sync.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer; memory is the bound
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)

@@ -16,6 +16,7 @@ import json
 import logging
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,15 +150,21 @@ class Transformers:
         return time.perf_counter() - t0
 
 
-def measure(engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, float]:
+def measure(name: str, engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, float]:
     res: dict[str, float] = {}
     ids = prompt_ids(args.prompt_len, 0, vocab)
     engine.prefill_s(ids[:64])  # warm-up
     times = [engine.prefill_s(ids) for _ in range(args.repeats)]
     res[f"prefill {args.prompt_len}"] = args.prompt_len / statistics.median(times)
+    print(
+        f"{name}: prefill {res[f'prefill {args.prompt_len}']:.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = [prompt_ids(args.context_len, 1 + i, vocab) for i in range(b)]
         res[f"decode b={b}"] = b * args.decode_steps / engine.decode_s(prompts, args.decode_steps)
+        print(f"{name}: decode b={b} {res[f'decode b={b}']:.1f} tok/s", file=sys.stderr, flush=True)
     return res
 
 
@@ -178,11 +185,11 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "args": vars(args),
-        "actorlm": measure(ours, args, vocab),
+        "actorlm": measure("actorlm", ours, args, vocab),
     }
     del ours
     if not args.skip_transformers:
-        results["transformers"] = measure(Transformers(path), args, vocab)
+        results["transformers"] = measure("transformers", Transformers(path), args, vocab)
 
     rows = [
         "| workload | actorlm tok/s | transformers tok/s | ratio |",

@@ -195,6 +195,7 @@ _PROBES: dict[str, str] = {
     "vllm": "import vllm.entrypoints.openai.api_server",
     "llamacpp": "import llama_cpp.server",
     "transformers": "import fastapi, uvicorn, transformers.cli.serve",
+    "transformers-plain": "import fastapi, uvicorn, transformers.cli.serve",
 }
 
 
@@ -278,7 +279,19 @@ def _transformers_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) ->
         str(port),
         "--log-level",
         "warning",
+        # Bounded KV cache (~2.2 GB fp32 for this model): left alone it takes ~12 GB here.
+        "--cb-block-size",
+        "32",
+        "--cb-num-blocks",
+        "1536",
     ]
+
+
+def _transformers_plain_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
+    argv = _transformers_argv(spec, m, host, port)
+    argv.remove("--continuous-batching")
+    cut = argv.index("--cb-block-size")
+    return argv[:cut] + argv[cut + 4 :]  # drop --cb-block-size N --cb-num-blocks M
 
 
 def _transformers_extra(n: int, m: ModelFiles) -> dict[str, Any]:
@@ -318,7 +331,7 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             needs_hf_dir=True,
             venv=venv_dir("vllm", venv_root),
             env={"VLLM_CPU_KVCACHE_SPACE": "4"},
-            startup_timeout=600.0,
+            startup_timeout=900.0,  # ~4 min idle; ~10 min on a busy machine (C++ compile)
             extra_body=lambda n, m: {"ignore_eos": True},
         ),
         "llamacpp": EngineSpec(
@@ -339,6 +352,17 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             label="transformers serve",
             note="`transformers serve --continuous-batching` 5.24.0, fp32, same weights",
             argv=_transformers_argv,
+            needs_hf_dir=True,
+            venv=venv_dir("transformers", venv_root),
+            startup_timeout=300.0,
+            health_paths=("/health", "/v1/models"),
+            extra_body=_transformers_extra,
+        ),
+        "transformers-plain": EngineSpec(
+            name="transformers-plain",
+            label="transformers serve (no CB)",
+            note="`transformers serve` 5.24.0 without continuous batching (one generate per request)",
+            argv=_transformers_plain_argv,
             needs_hf_dir=True,
             venv=venv_dir("transformers", venv_root),
             startup_timeout=300.0,

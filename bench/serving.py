@@ -226,11 +226,17 @@ async def _bench_engine(
 ) -> list[dict[str, Any]]:
     import aiohttp
 
-    # Warm-up: one short request, not measured (first-call compilation, caches).
+    # Warm-up: one short request, not measured (first-call compilation, caches). A server
+    # that is up but still loading answers 503: ask again until it is ready.
+    deadline = time.monotonic() + 600
     async with aiohttp.ClientSession() as session:
-        warm = await send_one(
-            session, url, model_id, BenchRequest("Hello, my name is", 5, 8), extra, timeout=300
-        )
+        while True:
+            warm = await send_one(
+                session, url, model_id, BenchRequest("Hello, my name is", 5, 8), extra, timeout=300
+            )
+            if warm.ok or not warm.error.startswith("HTTP 503") or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(2.0)
     if not warm.ok:
         raise RuntimeError(f"warm-up request failed: {warm.error}")
     out: list[dict[str, Any]] = []

@@ -46,8 +46,8 @@ class Job:
 def _common(f: Fields, state: GatewayState, kind: str, prefix: str) -> Job:
     state.check_model(f.str("model"))
     f.str("user")  # accepted for compatibility; only its type is checked
-    n = f.int("n", 1) or 1
-    if n < 1:
+    n = f.int("n", 1)
+    if n is None or n < 1:
         raise ApiError(400, f"n must be >= 1, got {n}", param="n")
     stream = bool(f.bool("stream", False))
     opts = f.object("stream_options")

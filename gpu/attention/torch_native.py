@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -60,10 +61,10 @@ class TorchNativeBackend(AttentionBackend):
             seq_lens = [meta.start_pos[i] + 1 for i in decode_idx]
             max_len = max(seq_lens)
             max_pages = -(-max_len // ps)
-            table = torch.zeros(len(decode_idx), max_pages, dtype=torch.long)
+            table = np.zeros((len(decode_idx), max_pages), dtype=np.int64)
             for b, i in enumerate(decode_idx):
                 pages = meta.page_tables[i][: -(-seq_lens[b] // ps)]
-                table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+                table[b, : len(pages)] = pages
             lens = torch.tensor(seq_lens)
             mask = None
             if min(seq_lens) != max_len:
@@ -76,7 +77,7 @@ class TorchNativeBackend(AttentionBackend):
                 if contiguous
                 else torch.tensor(rows_list, dtype=torch.long, device=device)
             )
-            decode = _Decode(rows, table.to(device), mask, max_len)
+            decode = _Decode(rows, torch.from_numpy(table).to(device), mask, max_len)
         prefills = []
         for i, n in enumerate(meta.extend_lens):
             if n == 1:

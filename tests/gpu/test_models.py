@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from actorlm.config import ModelConfig
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.loaders.base import load_model
+from actorlm.gpu.runner import ModelRunner
 
 from .helpers import Pages, greedy, hf_greedy, hf_last_logits, hf_model, make_runner
 
@@ -37,15 +39,19 @@ def qwen2_with_bias(
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
-def arch_model(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]) -> Path:
+def runner_and_reference(
+    request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]
+) -> tuple[ModelRunner, Any]:
+    """(our runner, the transformers model) on the same tiny checkpoint, one per architecture."""
     if request.param == "qwen2":
-        return request.getfixturevalue("qwen2_with_bias")
-    return tiny_model_factory(request.param)
+        path = request.getfixturevalue("qwen2_with_bias")
+    else:
+        path = tiny_model_factory(request.param)
+    return make_runner(path), hf_model(path)
 
 
-def test_logits_match_transformers(arch_model: Path) -> None:
-    runner = make_runner(arch_model)
-    ref = hf_model(arch_model)
+def test_logits_match_transformers(runner_and_reference: tuple[ModelRunner, Any]) -> None:
+    runner, ref = runner_and_reference
     pages = Pages()
     # all three prompts in one ragged batch
     seqs = [SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(PROMPTS)]
@@ -56,9 +62,8 @@ def test_logits_match_transformers(arch_model: Path) -> None:
         assert diff < TOL, f"prompt {i}: max abs diff {diff}"
 
 
-def test_greedy_32_steps_match_transformers(arch_model: Path) -> None:
-    runner = make_runner(arch_model)
-    ref = hf_model(arch_model)
+def test_greedy_32_steps_match_transformers(runner_and_reference: tuple[ModelRunner, Any]) -> None:
+    runner, ref = runner_and_reference
     prompt = PROMPTS[1]
     assert greedy(runner, "a", prompt, 32, Pages()) == hf_greedy(ref, prompt, 32)
 

@@ -1,0 +1,202 @@
+"""The whole pipeline over real processes with a tiny random Llama (issue: serving pipeline)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from actorlm import Engine
+from actorlm.actors.client import RequestFailed
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def greedy(n: int) -> dict[str, object]:
+    return {**GREEDY, "max_new_tokens": n}
+
+
+def _prompts(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, 49000) for _ in range(rng.randint(3, 120))], rng.randint(2, 20))
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[Engine]:
+    with Engine(str(tiny_llama), kv_cache_gb=0.05, max_prefill_tokens=256) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def alone(engine: Engine) -> dict[int, list[int]]:
+    """Each prompt's greedy tokens when it runs by itself."""
+    return {i: engine.generate(ids, greedy(n)).token_ids for i, (ids, n) in enumerate(_prompts(64))}
+
+
+def _near_tie(model_dir: Path, ids: list[int], got: list[int], want: list[int]) -> bool:
+    """True if the first divergence is a near-tie (top-2 logit gap < 1e-4) in transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    k = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + want[:k]])).logits[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1]) < 1e-4
+
+
+def test_engine_matches_transformers_greedy(engine: Engine, tiny_llama: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids, n = _prompts(1, seed=7)[0][0], 16
+    out = engine.generate(ids, greedy(n))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    assert out.token_ids == ref[0, len(ids) :].tolist()
+    assert out.finish_reason == "length" and out.usage.completion_tokens == n
+
+
+def test_64_concurrent_requests_match_each_alone(
+    engine: Engine, alone: dict[int, list[int]], tiny_llama: Path
+) -> None:
+    prompts = _prompts(64)
+
+    async def run_all() -> list[list[int]]:
+        tasks = [engine.agenerate(ids, greedy(n)) for ids, n in prompts]
+        return [o.token_ids for o in await asyncio.gather(*tasks)]
+
+    outs = asyncio.run(run_all())
+    for i, (ids, _) in enumerate(prompts):
+        if outs[i] != alone[i]:
+            assert _near_tie(tiny_llama, ids, outs[i], alone[i]), (
+                f"request {i} diverged without a near-tie"
+            )
+
+
+def test_shared_prefix_is_served_from_cache(engine: Engine) -> None:
+    rng = random.Random(3)
+    prefix = [rng.randrange(100, 49000) for _ in range(160)]
+    prompt = prefix + [rng.randrange(100, 49000) for _ in range(9)]
+    assert engine.flush_cache()
+    before = engine.stats()["scheduler"]["prefill_tokens"]
+    cold = engine.generate(prompt, greedy(8))
+    mid = engine.stats()["scheduler"]["prefill_tokens"]
+    warm = engine.generate(prompt, greedy(8))
+    after = engine.stats()["scheduler"]["prefill_tokens"]
+    assert cold.token_ids == warm.token_ids
+    assert mid - before == len(prompt)
+    assert after - mid <= len(prompt) - 160  # the 10 full pages of the prefix were reused
+    assert warm.usage.cached_tokens >= 160
+    other = engine.generate(prefix + [5, 6, 7], greedy(4))
+    assert other.usage.cached_tokens >= 144
+
+
+def test_aborts_mid_prefill_and_mid_decode_return_every_page(engine: Engine) -> None:
+    async def scenario() -> None:
+        long_prompt = [1000 + i for i in range(1500)]
+        decode = engine.stream([7, 8, 9], {**GREEDY, "max_new_tokens": 2000})
+        first = await decode.__anext__()  # decoding now
+        assert first.finish_reason is None
+        prefill = engine.stream(long_prompt, {**GREEDY, "max_new_tokens": 5})
+        task = asyncio.ensure_future(prefill.__anext__())
+        await asyncio.sleep(0.05)  # 1500 tokens at 256 per step: still prefilling
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await decode.aclose()
+        await prefill.aclose()
+
+    asyncio.run(scenario())
+    for _ in range(100):
+        stats = engine.stats()
+        if stats["scheduler"]["running"] == 0 and stats["cache_manager"]["pages_private"] == 0:
+            break
+        time.sleep(0.05)
+    assert engine.flush_cache()
+    cache = engine.stats()["cache_manager"]
+    assert cache["pages_free"] == cache["pages_total"]
+
+
+def test_small_kv_pool_forces_retraction_and_outputs_survive(
+    tiny_llama: Path, alone: dict[int, list[int]]
+) -> None:
+    prompts = _prompts(64)[:12]
+    with Engine(str(tiny_llama), num_pages=24, max_prefill_tokens=256) as small:
+        outs = small.generate([ids for ids, _ in prompts], {**GREEDY, "max_new_tokens": 20})
+        stats = small.stats()
+    assert stats["scheduler"]["retractions"] > 0
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "length" and len(out.token_ids) == 20
+        n = prompts[i][1]
+        assert out.token_ids[:n] == alone[i][:n]
+
+
+def test_killed_worker_fails_in_flight_requests_promptly(tiny_llama: Path) -> None:
+    with Engine(str(tiny_llama), kv_cache_gb=0.05) as eng:
+        launcher = eng._launcher
+        assert launcher is not None
+
+        async def scenario() -> float:
+            stream = eng.stream([5, 6, 7], greedy(1500))
+            await stream.__anext__()
+            os.kill(launcher.members["worker"].pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(RequestFailed):
+                async for delta in stream:
+                    if delta.error:
+                        raise RequestFailed(delta.error, delta.error_code)
+            return time.monotonic() - start
+
+        assert asyncio.run(scenario()) < 2.0
+        with pytest.raises(RequestFailed):
+            eng.generate([1, 2, 3], greedy(2))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_disaggregated_actors_over_tcp_from_one_deployment_file(
+    tiny_llama: Path, tmp_path: Path, alone: dict[int, list[int]]
+) -> None:
+    roles = ["tokenizer", "scheduler", "cache_manager", "worker"]
+    lines = [f'[model]\npath = "{tiny_llama}"\nkv_cache_gb = 0.05\n']
+    for role in roles:
+        lines.append(f'[actors.{role}]\naddress = "tcp://127.0.0.1:{_free_port()}"\n')
+    deploy = tmp_path / "cluster.toml"
+    deploy.write_text("\n".join(lines))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "actorlm.actors.cli", "actor", role, "--deploy", str(deploy)]
+        )
+        for role in roles
+    ]
+    try:
+        with Engine(deploy=str(deploy), start_timeout=120) as eng:
+            prompts = _prompts(64)[:16]
+            outs = eng.generate([ids for ids, _ in prompts], {**GREEDY, "max_new_tokens": 20})
+            for i, out in enumerate(outs):
+                n = prompts[i][1]
+                assert out.token_ids[:n] == alone[i][:n]
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(20)
+    assert all(p.returncode is not None for p in procs)
