@@ -3,6 +3,14 @@
 It owns the page allocator, the radix prefix tree, reference counts and the
 eviction policy. The KV tensors themselves live in the worker. One
 ``CacheStep`` request per scheduler step carries every operation.
+
+With a HiCache storage backend (``--hicache-storage-backend file
+--hicache-storage-dir DIR``) every full page that enters the prefix tree is
+also saved to storage under a key naming its whole prefix, and an admission
+whose prefix goes on past the tree loads the following pages from storage
+instead of computing them, so a prefix outlives the server that computed it.
+The page moves ride on the step's messages (scheduler → worker), so the worker
+saves a page before anything can overwrite it.
 """
 
 from __future__ import annotations
@@ -10,10 +18,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..extensions.points import HICACHE_STORAGE
 from ..messages.cache import Admitted, CacheStep, CacheStepResult
 from ..messages.control import Ack, FlushCache
 from ..messages.envelope import Envelope
-from .kv_cache import KVCacheManager
+from ..messages.step import PageIO
+from .hicache import HiCacheStorage, page_keys, storage_model_id
+from .kv_cache import Admission, KVCacheManager
 from .runtime import Actor, handles
 
 __all__ = ["CacheManagerActor"]
@@ -27,6 +38,10 @@ class CacheManagerActor(Actor):
 
     async def on_start(self) -> None:
         self.kv = self._new_cache()
+        self.storage: HiCacheStorage | None = open_storage(self.config)
+        self.model_id = storage_model_id(self.config)
+        self._stored: set[str] = set()  # keys known to be in storage
+        self.storage_hits = 0
 
     def _new_cache(self) -> KVCacheManager:
         model, cache = self.config.model, self.config.cache
@@ -46,7 +61,7 @@ class CacheManagerActor(Actor):
         }
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.kv.stats())
+        return {**self.kv.stats(), "storage_hit_pages": self.storage_hits}
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role == "worker":
@@ -67,14 +82,20 @@ class CacheManagerActor(Actor):
     @handles(CacheStep)
     async def on_step(self, msg: CacheStep, env: Envelope) -> CacheStepResult:
         kv = self.kv
+        stores: list[PageIO] = []
         for op in msg.finishes:
             if op.rid in kv:
+                if op.cache and self.storage is not None:
+                    stores += self._to_store(op.token_ids, kv.page_table(op.rid))
                 kv.finish(op.rid, op.token_ids, op.cache)
         for rid in msg.releases:
             kv.release(rid)
-        committed = {
-            op.rid: kv.cache_prefix(op.rid, op.token_ids) for op in msg.commits if op.rid in kv
-        }
+        committed = {}
+        for commit in msg.commits:
+            if commit.rid in kv:
+                committed[commit.rid] = table = kv.cache_prefix(commit.rid, commit.token_ids)
+                if self.storage is not None:
+                    stores += self._to_store(commit.token_ids, table)
         extended: dict[str, list[int]] = {}
         for ext in msg.extends:
             if ext.rid in kv:
@@ -88,10 +109,13 @@ class CacheManagerActor(Actor):
             }
             admits.sort(key=lambda a: -lengths[a.rid])  # stable: ties keep queue order
         admitted: list[Admitted] = []
+        loads: list[PageIO] = []
         for op in admits:
             got = kv.admit(op.rid, op.token_ids, op.extra_pages, priority=op.priority)
             if got is None:
                 break
+            if self.storage is not None:
+                got = self._load_from_storage(op.token_ids, got, loads)
             admitted.append(Admitted(op.rid, got.cached_len, got.page_ids))
         return CacheStepResult(
             admitted=admitted,
@@ -99,4 +123,45 @@ class CacheManagerActor(Actor):
             committed=committed,
             pages_free=kv.allocator.num_free,
             pages_total=kv.allocator.num_pages,
+            store_pages=stores,
+            load_pages=loads,
         )
+
+    def _to_store(self, token_ids: list[int], table: list[int]) -> list[PageIO]:
+        keys = page_keys(self.model_id, token_ids, self.kv.page_size)
+        out = [PageIO(k, p) for k, p in zip(keys, table, strict=False) if k not in self._stored]
+        self._stored.update(io.key for io in out)
+        return out
+
+    def _load_from_storage(
+        self, token_ids: list[int], got: Admission, loads: list[PageIO]
+    ) -> Admission:
+        """Extend a tree hit with the pages storage holds next (never the last token)."""
+        assert self.storage is not None
+        ps = self.kv.page_size
+        keys = page_keys(self.model_id, token_ids[:-1], ps)
+        start = got.cached_len // ps
+        wanted = keys[start:]
+        known = 0
+        while known < len(wanted) and wanted[known] in self._stored:
+            known += 1
+        found = known + (self.storage.batch_exists(wanted[known:]) if known < len(wanted) else 0)
+        if not found:
+            return got
+        for i in range(start, start + found):
+            loads.append(PageIO(keys[i], got.page_ids[i]))
+            self._stored.add(keys[i])
+        self.storage_hits += found
+        return Admission(got.cached_len + found * ps, got.page_ids)
+
+
+def open_storage(config: Any) -> HiCacheStorage | None:
+    """The configured HiCache storage backend, constructed with the storage dir, or None."""
+    name = config.cache.hicache_storage_backend
+    if not name:
+        return None
+    if not config.cache.hicache_storage_dir:
+        raise ValueError("--hicache-storage-backend needs --hicache-storage-dir")
+    import actorlm.actors.hicache  # noqa: F401  (registers the built-in backends)
+
+    return HICACHE_STORAGE.get(name)(config.cache.hicache_storage_dir)

@@ -7,6 +7,7 @@ generated from the config tree so the CLI and the config never drift apart.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
@@ -149,10 +150,8 @@ def _actor(args: argparse.Namespace) -> int:
         bind, address = args.bind, args.address or args.bind
     prepare_process(config, args.role)
     config = resolve_config(config)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         event_loop_runner()(run_actor(args.role, config, address, book, bind=bind))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

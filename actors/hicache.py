@@ -20,10 +20,11 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..extensions.points import HICACHE_STORAGE
 
-__all__ = ["HiCacheFile", "HiCacheStorage", "page_keys"]
+__all__ = ["HiCacheFile", "HiCacheStorage", "page_keys", "storage_model_id"]
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _TMP_SUFFIX = ".tmp"
@@ -48,6 +49,13 @@ def page_keys(model_id: str, token_ids: Sequence[int], page_size: int) -> list[s
         digest = hashlib.sha256(digest + struct.pack(f"<{page_size}q", *page)).digest()
         keys.append(digest.hex())
     return keys
+
+
+def storage_model_id(config: Any) -> str:
+    """What KV bytes depend on besides the tokens: the model file, dtype and page size."""
+    m = config.model
+    size = os.path.getsize(m.path) if os.path.isfile(m.path) else 0
+    return f"{os.path.abspath(m.path)}|{size}|{m.dtype}|{m.page_size}"
 
 
 class HiCacheStorage(ABC):

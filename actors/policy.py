@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..config import SchedulerConfig
 from ..messages.cache import AdmitOp, CacheStep, CacheStepResult, CommitOp, ExtendOp, FinishOp
 from ..messages.generate import TokenDelta, TokenizedRequest
-from ..messages.step import ForwardBatch, SeqInit, SeqStep, StepResult, TopLogprob
+from ..messages.step import ForwardBatch, PageIO, SeqInit, SeqStep, StepResult, TopLogprob
 
 __all__ = ["POLICIES", "BatchPlanner", "Req"]
 
@@ -76,6 +76,8 @@ class BatchPlanner:
         self._worker_release: list[str] = []
         self._extends: dict[str, int] = {}
         self._deltas: list[TokenDelta] = []
+        self._store_pages: list[PageIO] = []
+        self._load_pages: list[PageIO] = []
         # After a retraction, admit nothing until a request ends: admitting into the
         # pages a retraction just freed would only cause the next retraction.
         self._hold_admission = False
@@ -183,6 +185,8 @@ class BatchPlanner:
         return step
 
     def apply_cache(self, result: CacheStepResult) -> None:
+        self._store_pages += result.store_pages
+        self._load_pages += result.load_pages
         for adm in result.admitted:
             req = self.waiting.pop(adm.rid, None)
             if req is None:  # aborted while the cache step was in flight
@@ -256,7 +260,13 @@ class BatchPlanner:
                 )
             )
         release, self._worker_release = self._worker_release, []
-        return ForwardBatch(step_id=step_id, seqs=seqs, release=release)
+        if not seqs:
+            return ForwardBatch(step_id=step_id, seqs=[], release=release)
+        stores, loads = self._store_pages, self._load_pages
+        self._store_pages, self._load_pages = [], []
+        return ForwardBatch(
+            step_id=step_id, seqs=seqs, release=release, store_pages=stores, load_pages=loads
+        )
 
     def on_result(self, batch: ForwardBatch, result: StepResult) -> list[TokenDelta]:
         self.stats["steps"] += 1

@@ -111,15 +111,15 @@ class SchedulerActor(Actor):
     async def _loop(self) -> None:
         planner = self.planner
         while True:
+            # Cleared before looking, so a request or abort that lands while we step
+            # (its handler sets the event) is never slept through.
+            self._wake.clear()
             await self._emit(planner.take_deltas())
             if not planner.has_work():
-                self._wake.clear()
                 await self._wake.wait()
                 continue
-            progressed = await self._step()
-            if not progressed:
+            if not await self._step():
                 # Nothing could run (no pages, everything blocked): wait for a change.
-                self._wake.clear()
                 await self._wake.wait()
 
     async def _step(self) -> bool:

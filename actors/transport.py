@@ -119,7 +119,9 @@ class _ZmqOutbox:
             # copy=False: tensor frames go zero-copy; pyzmq still copies small ones.
             self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            await zmq.asyncio.Socket.shadow(self._sock.underlying).send_multipart(frames, copy=False)
+            await zmq.asyncio.Socket.shadow(self._sock.underlying).send_multipart(
+                frames, copy=False
+            )
 
     def close(self) -> None:
         self._sock.close(linger=0)

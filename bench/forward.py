@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,9 @@ def parse_args() -> argparse.Namespace:
         "--context-len", type=int, default=128, help="cached tokens per sequence before decoding"
     )
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per batch size")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills (median reported)")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="runs of each workload per engine (best reported)"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--skip-transformers", action="store_true", help="only actorlm")
     p.add_argument("--out", default="bench/results/forward.json", help="raw results (JSON)")
@@ -150,21 +151,33 @@ class Transformers:
         return time.perf_counter() - t0
 
 
-def measure(name: str, engine: Any, args: argparse.Namespace, vocab: int) -> dict[str, float]:
-    res: dict[str, float] = {}
+def measure(
+    engines: dict[str, Any], args: argparse.Namespace, vocab: int
+) -> dict[str, dict[str, float]]:
+    """Each workload runs on every engine in turn, --repeats times, best kept: on a shared
+    machine the load drifts, and interleaving exposes both sides to the same drift."""
+    res: dict[str, dict[str, float]] = {name: {} for name in engines}
     ids = prompt_ids(args.prompt_len, 0, vocab)
-    engine.prefill_s(ids[:64])  # warm-up
-    times = [engine.prefill_s(ids) for _ in range(args.repeats)]
-    res[f"prefill {args.prompt_len}"] = args.prompt_len / statistics.median(times)
-    print(
-        f"{name}: prefill {res[f'prefill {args.prompt_len}']:.1f} tok/s",
-        file=sys.stderr,
-        flush=True,
-    )
+    work: list[tuple[str, int, Any]] = [
+        (f"prefill {args.prompt_len}", args.prompt_len, lambda e: e.prefill_s(ids))
+    ]
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         prompts = [prompt_ids(args.context_len, 1 + i, vocab) for i in range(b)]
-        res[f"decode b={b}"] = b * args.decode_steps / engine.decode_s(prompts, args.decode_steps)
-        print(f"{name}: decode b={b} {res[f'decode b={b}']:.1f} tok/s", file=sys.stderr, flush=True)
+        work.append(
+            (
+                f"decode b={b}",
+                b * args.decode_steps,
+                lambda e, p=prompts: e.decode_s(p, args.decode_steps),
+            )
+        )
+    for engine in engines.values():
+        engine.prefill_s(ids[:64])  # warm-up
+    for key, tokens, run in work:
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                res[name][key] = max(res[name].get(key, 0.0), tokens / run(engine))
+        line = ", ".join(f"{name} {res[name][key]:.1f}" for name in engines)
+        print(f"{key}: {line} tok/s", file=sys.stderr, flush=True)
     return res
 
 
@@ -185,11 +198,11 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "args": vars(args),
-        "actorlm": measure("actorlm", ours, args, vocab),
     }
-    del ours
+    engines: dict[str, Any] = {"actorlm": ours}
     if not args.skip_transformers:
-        results["transformers"] = measure("transformers", Transformers(path), args, vocab)
+        engines["transformers"] = Transformers(path)
+    results.update(measure(engines, args, vocab))
 
     rows = [
         "| workload | actorlm tok/s | transformers tok/s | ratio |",

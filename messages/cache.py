@@ -12,6 +12,7 @@ from typing import ClassVar
 import msgspec
 
 from .base import Message
+from .step import PageIO
 
 __all__ = [
     "AdmitOp",
@@ -72,3 +73,6 @@ class CacheStepResult(Message, frozen=True, kw_only=True):
     committed: dict[str, list[int]] = {}  # rid → its page table after sharing
     pages_free: int = 0
     pages_total: int = 0
+    # HiCache storage tier: pages the worker saves, and pages it loads for the admitted.
+    store_pages: list[PageIO] = []
+    load_pages: list[PageIO] = []

@@ -9,7 +9,7 @@ import msgspec
 from .base import Message
 from .sampling import SamplingParams
 
-__all__ = ["ForwardBatch", "SeqInit", "SeqResult", "SeqStep", "StepResult", "TopLogprob"]
+__all__ = ["ForwardBatch", "PageIO", "SeqInit", "SeqResult", "SeqStep", "StepResult", "TopLogprob"]
 
 
 class SeqInit(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,11 +41,22 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     init: SeqInit | None = None
 
 
+class PageIO(msgspec.Struct, frozen=True, array_like=True):
+    """One KV page moved between the pool and the HiCache storage tier."""
+
+    key: str
+    page_id: int
+
+
 class ForwardBatch(Message, frozen=True, kw_only=True):
     TAG: ClassVar[str] = "step.forward"
     step_id: int
     seqs: list[SeqStep]
     release: list[str] = []  # rids whose worker-side state can be dropped
+    # Done before the forward pass, in this order: save pages to storage, then load
+    # pages from it (a stored page's id may be reused by a load in the same step).
+    store_pages: list[PageIO] = []
+    load_pages: list[PageIO] = []
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
