@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from actorlm.actors.kv_cache import KVCacheManager
 from actorlm.actors.policy import BatchPlanner
 from actorlm.config import SchedulerConfig
@@ -20,6 +17,8 @@ from actorlm.messages.cache import Admitted, CacheStep, CacheStepResult
 from actorlm.messages.generate import TokenDelta, TokenizedRequest
 from actorlm.messages.sampling import SamplingParams
 from actorlm.messages.step import ForwardBatch, SeqResult, StepResult
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 PAGE = 4
 

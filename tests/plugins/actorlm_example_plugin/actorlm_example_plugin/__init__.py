@@ -1,0 +1,57 @@
+"""An actorlm plugin with one example of every extension point.
+
+``register()`` runs once in every actor process before the actor starts. It
+only registers: heavy modules (torch, the model) are named by dotted path and
+imported where they are used, so the tokenizer and gateway processes stay light.
+"""
+
+from __future__ import annotations
+
+from actorlm.extensions.points import (
+    ATTENTION_BACKENDS,
+    EVICTION_POLICIES,
+    HICACHE_STORAGE,
+    LOGIT_PROCESSORS,
+    MODELS,
+    WEIGHT_LOADERS,
+)
+
+__all__ = ["register"]
+
+_PKG = "actorlm_example_plugin"
+
+
+def register() -> None:
+    # Hooks and interceptors register themselves when their module is imported.
+    from . import hooks, interceptors  # noqa: F401
+
+    MODELS.register(
+        "ExampleLlamaForCausalLM",
+        f"{_PKG}.model:ExampleLlamaForCausalLM",
+        help="the built-in Llama under a new architecture name",
+    )
+    ATTENTION_BACKENDS.register(
+        "example_counting",
+        f"{_PKG}.attention:CountingTorchBackend",
+        help="the torch backend, counting steps",
+    )
+    WEIGHT_LOADERS.register(
+        "example_safetensors",
+        f"{_PKG}.loader:RecordingSafetensorsLoader",
+        help="safetensors, recording what it loads",
+    )
+    EVICTION_POLICIES.register(
+        "example_oldest_first",
+        f"{_PKG}.eviction:OldestFirst",
+        help="evict the oldest pages first",
+    )
+    HICACHE_STORAGE.register(
+        "example_recording",
+        f"{_PKG}.storage:RecordingFileStorage",
+        help="the file backend, recording reads and writes",
+    )
+    LOGIT_PROCESSORS.register(
+        "example_force_token",
+        f"{_PKG}.logits:ForceToken",
+        help="always sample params['token_id']",
+    )
