@@ -20,7 +20,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     path: str = ""  # HF folder or .gguf file; "" = the embedded default model
     load_format: str = "auto"  # auto | safetensors | layered | gguf | a plugin's name
     dtype: str = "float32"
-    device: str = "cpu"  # resolved from the platform when not given
+    device: str = ""  # "" = the active platform's device
     attention_backend: str = ""  # "" = the platform's default
     page_size: int = 16
     kv_cache_gb: float = 1.0  # memory budget for the paged KV pool

@@ -73,12 +73,17 @@ def config_from_options(base: EngineConfig | None = None, **options: Any) -> Eng
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
-    """Fill model path, context length, KV page count and served name from the model."""
+    """Fill platform defaults, then model path, context length, KV page count and
+    served name from the model."""
     from ..extensions.plugins import current_platform
     from ..gpu.default_model import default_model_path
     from ..gpu.model_info import kv_pages_for_budget, load_model_info
 
     # The active platform fills what the user left to it (attention backend, ...).
+    config = current_platform().adjust_defaults(config)
+    from ..extensions.plugins import current_platform
+
+    # The platform fills what the user left open (device, attention backend, page size).
     config = current_platform().adjust_defaults(config)
     m = config.model
     path = m.path or str(default_model_path())

@@ -11,7 +11,7 @@
    ``torch.cuda.is_available()`` else ``cpu``; one → it; several → an error
    naming them. The chosen class path is registered in ``PLATFORMS`` under the
    entry point's name.
-3. Run each ``actorlm.plugins`` entry point's ``register()`` the allowlist
+3. Run, in entry-point name order, each ``actorlm.plugins`` entry point's ``register()`` the allowlist
    (entry-point names; unset: all, empty: none) admits, with ``current_source`` set to its name, skipping (without importing)
    those shipped by the distribution of a platform that was not chosen.
 4. ``HookRegistry.apply_hooks()``.
@@ -260,6 +260,8 @@ def _call(ep: EntryPoint, info: PluginInfo, report: PluginReport, what: str) -> 
 
 
 def _discover(group: str) -> list[EntryPoint]:
+    """The group's entry points in name order, so plugins register (and their hooks
+    and interceptors compose) in the same order on every machine."""
     # The same distribution can sit twice on sys.path (an editable install and a
     # PYTHONPATH copy): keep the first, as importing would.
     seen: set[tuple[str, str]] = set()
@@ -268,7 +270,7 @@ def _discover(group: str) -> list[EntryPoint]:
         if (ep.name, ep.value) not in seen:
             seen.add((ep.name, ep.value))
             out.append(ep)
-    return out
+    return sorted(out, key=lambda ep: ep.name)  # stable: same-name duplicates keep path order
 
 
 def _info(ep: EntryPoint, group: str) -> PluginInfo:

@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 __all__ = [
     "Registry",
@@ -62,7 +62,7 @@ class RegistryEntry(Generic[T]):
     def load(self) -> T:
         if isinstance(self.target, str):
             self.target = import_object(self.target)
-        return self.target
+        return cast(T, self.target)
 
 
 class Registry(Generic[T]):

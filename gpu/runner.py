@@ -30,7 +30,7 @@ class ModelRunner:
         torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(cfg.device or "cpu")
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
         loader = make_loader(cfg)
         info = loader.model_info()

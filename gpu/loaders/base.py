@@ -109,5 +109,5 @@ def load_model(
     loader = loader or make_loader(cfg)
     info = loader.model_info()
     model = build_model(info, max_model_len)
-    loader.load(model, torch.device(cfg.device), getattr(torch, cfg.dtype))
+    loader.load(model, torch.device(cfg.device or "cpu"), getattr(torch, cfg.dtype))
     return model, info

@@ -1,8 +1,9 @@
 """An actorlm plugin with one example of every extension point.
 
-``register()`` runs once in every actor process before the actor starts. It
-only registers: heavy modules (torch, the model) are named by dotted path and
-imported where they are used, so the tokenizer and gateway processes stay light.
+``register()`` runs once in every actor process before the actor starts, and
+only registers. Implementations are named by dotted path and imported where
+they are used (the model only in the worker). Hooks are the exception: applying
+them imports their targets, here the worker's sampler (torch), in every process.
 """
 
 from __future__ import annotations
