@@ -146,9 +146,7 @@ _BUILTINS: tuple[type[EvictionStrategy], ...] = (
     SLRUStrategy,
 )
 for _cls in _BUILTINS:
-    EVICTION_POLICIES.register(
-        _cls.name, _cls, help=(_cls.__doc__ or "").split("\n")[0], source="builtin"
-    )
+    EVICTION_POLICIES.register_builtin(_cls.name, _cls, help=(_cls.__doc__ or "").split("\n")[0])
 
 
 def make_strategy(policy: str | EvictionStrategy) -> EvictionStrategy:

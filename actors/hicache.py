@@ -100,7 +100,6 @@ class HiCacheStorage(ABC):
         return len(keys)
 
 
-@HICACHE_STORAGE.register("file", help="page blobs as files under a directory", source="builtin")
 class HiCacheFile(HiCacheStorage):
     """One file per key under ``root`` (two-level fan-out by key prefix).
 
@@ -154,3 +153,6 @@ class HiCacheFile(HiCacheStorage):
                 for f in sub.iterdir():
                     f.unlink(missing_ok=True)
                 sub.rmdir()
+
+
+HICACHE_STORAGE.register_builtin("file", HiCacheFile, help="page blobs as files under a directory")

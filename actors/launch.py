@@ -79,10 +79,6 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     from ..gpu.default_model import default_model_path
     from ..gpu.model_info import kv_pages_for_budget, load_model_info
 
-    # The active platform fills what the user left to it (attention backend, ...).
-    config = current_platform().adjust_defaults(config)
-    from ..extensions.plugins import current_platform
-
     # The platform fills what the user left open (device, attention backend, page size).
     config = current_platform().adjust_defaults(config)
     m = config.model

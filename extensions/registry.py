@@ -91,6 +91,12 @@ class Registry(Generic[T]):
         self._entries[name] = RegistryEntry(name, target, source or current_source.get(), help)
         return target
 
+    def register_builtin(self, name: str, target: T | str, *, help: str = "") -> None:
+        """Register a built-in unless a plugin already took ``name`` (plugins win,
+        whichever module happens to be imported first)."""
+        if name not in self._entries:
+            self._entries[name] = RegistryEntry(name, target, "builtin", help)
+
     def get(self, name: str) -> T:
         entry = self._entries.get(name)
         if entry is None:

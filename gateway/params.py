@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from ..gpu.sampling import validate_sampling
-from ..messages.sampling import SamplingParams
+from ..messages.sampling import LogitProcessorSpec, SamplingParams
 from .errors import ApiError
 
 __all__ = [
@@ -50,6 +50,7 @@ NATIVE_SAMPLING_NAMES = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "n",
+    "logit_processors",
 )
 
 
@@ -184,6 +185,27 @@ class Fields:
         return out
 
 
+def logit_processors(f: Fields, key: str = "logit_processors") -> list[LogitProcessorSpec]:
+    """``[{"name": ..., "params": {...}}]`` (or bare names): registered processors only,
+    never code; unknown names and bad params are caught by the sampling validation."""
+    raw = f.raw(key)
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise f.bad(key, "a list of {name, params} objects", raw)
+    specs = []
+    for item in raw:
+        if isinstance(item, str):
+            item = {"name": item}
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            raise f.bad(key, "a list of {name, params} objects", raw)
+        params = item.get("params", {})
+        if not isinstance(params, dict) or set(item) - {"name", "params"}:
+            raise f.bad(key, "a list of {name, params} objects", raw)
+        specs.append(LogitProcessorSpec(name=item["name"], params=params))
+    return specs
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -_INT64 <= value < _INT64
 
@@ -206,6 +228,8 @@ def _extras(f: Fields) -> dict[str, Any]:
         out["min_new_tokens"] = f.int("min_tokens")
     if f.present("stop_token_ids"):
         out["stop_token_ids"] = f.int_list("stop_token_ids")
+    if f.present("logit_processors"):
+        out["logit_processors"] = logit_processors(f)
     return out
 
 
@@ -264,6 +288,7 @@ def native_sampling(f: Fields | None) -> SamplingParams:
     kwargs["stop"] = f.str_list("stop")
     kwargs["stop_token_ids"] = f.int_list("stop_token_ids")
     kwargs["logit_bias"] = f.logit_bias("logit_bias")
+    kwargs["logit_processors"] = logit_processors(f)
     return SamplingParams(**kwargs)
 
 

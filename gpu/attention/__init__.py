@@ -7,14 +7,14 @@ __all__ = ["DEFAULT_BACKEND"]
 
 DEFAULT_BACKEND = "torch"
 
-ATTENTION_BACKENDS.register(
+ATTENTION_BACKENDS.register_builtin(
     "torch",
     "actorlm.gpu.attention.torch_native:TorchNativeBackend",
     help="pure PyTorch, any device",
 )
-ATTENTION_BACKENDS.register(
+ATTENTION_BACKENDS.register_builtin(
     "flashinfer", "actorlm.gpu.attention.cuda:FlashInferBackend", help="CUDA only (flashinfer)"
 )
-ATTENTION_BACKENDS.register(
+ATTENTION_BACKENDS.register_builtin(
     "triton", "actorlm.gpu.attention.cuda:TritonBackend", help="CUDA only (triton)"
 )

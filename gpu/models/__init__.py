@@ -5,4 +5,4 @@ from actorlm.extensions.points import MODELS
 __all__: list[str] = []
 
 for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
-    MODELS.register(_arch, "actorlm.gpu.models.llama:LlamaForCausalLM")
+    MODELS.register_builtin(_arch, "actorlm.gpu.models.llama:LlamaForCausalLM")

@@ -186,3 +186,17 @@ def test_error_deltas_keep_their_status() -> None:
         ).status
         == 503
     )
+
+
+def test_logit_processors_are_chosen_by_name_with_params() -> None:
+    from actorlm.gateway.params import Fields, native_sampling
+
+    sp = native_sampling(
+        Fields({"logit_processors": [{"name": "ban_tokens", "params": {"token_ids": [5]}}, "x"]})
+    )
+    assert [(p.name, p.params) for p in sp.logit_processors] == [
+        ("ban_tokens", {"token_ids": [5]}),
+        ("x", {}),
+    ]
+    with pytest.raises(ApiError):
+        native_sampling(Fields({"logit_processors": [{"name": "x", "code": "import os"}]}))
