@@ -20,7 +20,7 @@ runs static batches of ``--hf-batch-size`` in request order (left padding, greed
 output is cut to its own length, so only requested tokens count, and its TTFT is the
 time from the start of the run to its batch's first token.
 
-    python bench/offline.py                           # both workloads, ~8 minutes on 2 cores
+    python bench/offline.py                           # both workloads, ~10 minutes on 2 idle cores
     python bench/offline.py --quick                   # tiny smoke run
     python bench/offline.py --workloads random --skip-transformers
 
