@@ -19,18 +19,16 @@ def print_plugins(out: TextIO) -> None:
     except PlatformError as exc:
         report = exc.report
     load_builtins()
-    print("Plugins (entry points actorlm.plugins):", file=out)
-    for p in report.plugins or []:
-        err = f"  error: {p.error}" if p.error else ""
-        print(f"  {p.name:<24} {p.status:<12} dist={p.dist or '?'}  {p.value}{err}", file=out)
-    if not report.plugins:
-        print("  (none)", file=out)
-    print("Platform plugins (entry points actorlm.platforms):", file=out)
-    for p in report.platforms or []:
-        err = f"  error: {p.error}" if p.error else ""
-        print(f"  {p.name:<24} {p.status:<12} dist={p.dist or '?'}  {p.value}{err}", file=out)
-    if not report.platforms:
-        print("  (none)", file=out)
+    for title, infos in (
+        ("Plugins (entry points actorlm.plugins):", report.plugins),
+        ("Platform plugins (entry points actorlm.platforms):", report.platforms),
+    ):
+        print(title, file=out)
+        for p in infos:
+            err = f"  error: {p.error}" if p.error else ""
+            print(f"  {p.name:<24} {p.status:<12} dist={p.dist or '?'}  {p.value}{err}", file=out)
+        if not infos:
+            print("  (none)", file=out)
     active = report.platform or f"none ({report.platform_error})"
     print(f"Active platform: {active}", file=out)
     print("Registries:", file=out)
