@@ -99,6 +99,7 @@ class EngineClient:
         queue: asyncio.Queue[TextDelta] = asyncio.Queue()
         self.actor.streams[req.rid] = queue
         finished = False
+        msg_id = 0
         try:
             try:
                 msg_id = await self.actor.send(self.tokenizer, req)
@@ -114,7 +115,7 @@ class EngineClient:
                     return
         finally:
             self.actor.streams.pop(req.rid, None)
-            self.actor.sent = {k: v for k, v in self.actor.sent.items() if v != req.rid}
+            self.actor.sent.pop(msg_id, None)
             if not finished:
                 await self.abort(req.rid)
 
