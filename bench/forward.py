@@ -112,17 +112,23 @@ class Ours:
         return dt
 
 
+def load_reference_model(path: Path) -> Any:
+    """``transformers``' own fp32 model on the same weights (a GGUF is dequantized by it)."""
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
 class Transformers:
     def __init__(self, path: Path) -> None:
-        from transformers import AutoModelForCausalLM
 
-        if path.suffix == ".gguf":
-            self.model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32
-            )
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        self.model.eval()
+        self.model = load_reference_model(path)
 
     @torch.inference_mode()
     def prefill_s(self, ids: list[int]) -> float:

@@ -192,18 +192,13 @@ def start_engine(path: Path, args: argparse.Namespace, prefix_cache: bool) -> An
 class HF:
     def __init__(self, path: Path, threads: int) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        if path.suffix == ".gguf":
-            self.model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32
-            )
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        self.model.eval()
+        from bench.forward import load_reference_model
+
+        self.model = load_reference_model(path)
         gc = self.model.generation_config
         eos = gc.eos_token_id
         self.pad = (
