@@ -22,6 +22,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "float32"
     device: str = ""  # "" = the active platform's device
     attention_backend: str = ""  # "" = the platform's default
+    quantization: str = ""  # none | fp16 | a plugin's; "" = the platform's default
     page_size: int = 16
     kv_cache_gb: float = 1.0  # memory budget for the paged KV pool
     num_pages: int = 0  # 0 = derive from kv_cache_gb

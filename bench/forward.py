@@ -7,6 +7,7 @@ forward with its KV cache (DynamicCache) on the model it loads from the same GGU
 
     python bench/forward.py                # default model, batch 1 8 32 64
     python bench/forward.py --skip-transformers --batch-sizes 32
+    python bench/forward.py --quantization none,fp16   # one actorlm column each
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=int, default=2, help="runs of each workload per engine (best reported)"
     )
+    p.add_argument(
+        "--quantization",
+        default="fp16",
+        help="actorlm linear methods to run, comma-separated (none = plain fp32 weights)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--skip-transformers", action="store_true", help="only actorlm")
     p.add_argument("--out", default="bench/results/forward.json", help="raw results (JSON)")
@@ -58,8 +64,11 @@ def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, path: str, threads: int, num_pages: int) -> None:
-        self.runner = ModelRunner(ModelConfig(path=path, num_threads=threads, num_pages=num_pages))
+    def __init__(self, path: str, threads: int, num_pages: int, quantization: str) -> None:
+        cfg = ModelConfig(
+            path=path, num_threads=threads, num_pages=num_pages, quantization=quantization
+        )
+        self.runner = ModelRunner(cfg)
         self.step = 0
 
     def _forward(self, seqs: list[SeqStep], release: list[str] | None = None) -> list[int]:
@@ -197,31 +206,32 @@ def main() -> None:
         + args.prompt_len // 16
         + 1
     )
-    ours = Ours(str(path), args.threads, pages)
-    vocab = ours.runner.info.vocab_size
+    engines: dict[str, Any] = {
+        f"actorlm {q}": Ours(str(path), args.threads, pages, q)
+        for q in args.quantization.split(",")
+    }
+    vocab = next(iter(engines.values())).runner.info.vocab_size
     results: dict[str, Any] = {
         "model": str(path),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "args": vars(args),
     }
-    engines: dict[str, Any] = {"actorlm": ours}
     if not args.skip_transformers:
         engines["transformers"] = Transformers(path)
     results.update(measure(engines, args, vocab))
 
-    rows = [
-        "| workload | actorlm tok/s | transformers tok/s | ratio |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for key, ours_tps in results["actorlm"].items():
-        ref = results.get("transformers", {}).get(key)
-        ratio = f"{ours_tps / ref:.2f}x" if ref else "-"
-        rows.append(
-            f"| {key} | {ours_tps:.1f} | {ref:.1f} | {ratio} |"
-            if ref
-            else f"| {key} | {ours_tps:.1f} | - | - |"
-        )
+    names = [n for n in engines if n != "transformers"]
+    ref = results.get("transformers", {})
+    head = ["workload", *(f"{n} tok/s" for n in names)]
+    if ref:
+        head += ["transformers tok/s", *(f"{n} / transformers" for n in names)]
+    rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for key in results[names[0]]:
+        cells = [key, *(f"{results[n][key]:.1f}" for n in names)]
+        if ref:
+            cells += [f"{ref[key]:.1f}", *(f"{results[n][key] / ref[key]:.2f}x" for n in names)]
+        rows.append("| " + " | ".join(cells) + " |")
     print("\n".join(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

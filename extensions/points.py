@@ -24,6 +24,7 @@ __all__ = [
     "LORA_EVICTION_POLICIES",
     "MODELS",
     "PLATFORMS",
+    "QUANTIZATION_METHODS",
     "WEIGHT_LOADERS",
     "load_builtins",
 ]
@@ -43,6 +44,7 @@ LOGIT_PROCESSORS: Registry[Any] = get_registry(
     "logit processor", "sampling_params.logit_processors"
 )
 PLATFORMS: Registry[Any] = get_registry("platform", "ACTORLM_PLATFORM")
+QUANTIZATION_METHODS: Registry[Any] = get_registry("quantization method", "--quantization")
 
 # Modules whose import registers the built-in entries of the registries above.
 BUILTIN_MODULES = (
@@ -51,6 +53,7 @@ BUILTIN_MODULES = (
     "actorlm.gpu.attention",
     "actorlm.gpu.logit_processors",
     "actorlm.gpu.platforms",
+    "actorlm.gpu.quantization",
     "actorlm.actors.eviction",
     "actorlm.actors.hicache",
     "actorlm.actors.roles",

@@ -74,6 +74,9 @@ class Platform:
     def default_attention_backend(self) -> str:
         return "torch"
 
+    def default_quantization(self, dtype: str) -> str:
+        return "none"
+
     def supports_graphs(self) -> bool:
         """Whether decode steps can be captured as device graphs (CUDA graphs)."""
         return False
@@ -86,6 +89,8 @@ class Platform:
             changes["device"] = self.device_type
         if not model.attention_backend:
             changes["attention_backend"] = self.default_attention_backend()
+        if not model.quantization:
+            changes["quantization"] = self.default_quantization(model.dtype)
         if model.page_size <= 0:
             changes["page_size"] = self.page_size
         if not changes:
@@ -136,6 +141,13 @@ class CpuPlatform(Platform):
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def default_quantization(self, dtype: str) -> str:
+        # fbgemm's fp16-weight GEMM with fp32 activations: decode moves half the bytes
+        # of fp32 through a kernel tuned for its small batches (bench/forward.py).
+        from .quantization import fbgemm_available
+
+        return "fp16" if dtype == "float32" and fbgemm_available() else "none"
 
 
 class CudaPlatform(Platform):

@@ -11,14 +11,16 @@ import time
 import msgspec
 import torch
 from actorlm.config import ModelConfig
-from actorlm.extensions.points import ATTENTION_BACKENDS
+from actorlm.extensions.plugins import current_platform
+from actorlm.extensions.points import ATTENTION_BACKENDS, QUANTIZATION_METHODS
+from actorlm.extensions.registry import import_object
 from actorlm.messages.step import ForwardBatch, StepResult
 
 from .attention import DEFAULT_BACKEND
 from .forward_meta import ForwardMeta, SeqSpec
-from .kv_pool import KVPool
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
+from .quantization import quantize_model
 
 __all__ = ["ModelRunner"]
 
@@ -41,11 +43,16 @@ class ModelRunner:
                 "capping max_model_len %d to the sliding window %d", max_len, info.sliding_window
             )
             max_len = info.sliding_window
+        method = QUANTIZATION_METHODS.get(cfg.quantization or "none")()
+        method.check(self.device, self.dtype)
         self.model, _ = load_model(cfg, max_model_len=max_len, loader=loader)
+        if converted := quantize_model(self.model, method):
+            log.info("quantization %s: %d linear layers converted", method.name, converted)
         num_pages = cfg.num_pages or kv_pages_for_budget(
             info, cfg.kv_cache_gb * 2**30, cfg.page_size, cfg.dtype
         )
-        self.pool = KVPool(
+        pool_cls = import_object(current_platform().kv_pool_class)  # KVPool on the CPU
+        self.pool = pool_cls(
             info.num_layers,
             num_pages,
             cfg.page_size,

@@ -124,6 +124,11 @@ class LlamaForCausalLM(nn.Module):
         }
         for p in self.parameters():
             p.requires_grad_(False)
+        self.head: nn.Module | None = None  # set by quantization: computes the logits
+
+    def set_lm_head(self, head: nn.Module) -> None:
+        """Compute logits with ``head`` (a converted linear) instead of the weight."""
+        self.head = head
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
@@ -138,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         if meta.sample_rows.numel() != meta.num_tokens:
             x = x[meta.sample_rows]  # [S, hidden]: the LM head only where a token is sampled
         x = self.model.norm(x)
+        if self.head is not None:
+            return self.head(x).float()
         return F.linear(x, self.lm_head_weight()).float()
 
     # Loading: parameters may sit on the meta device until their first tensor arrives,

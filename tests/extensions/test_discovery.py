@@ -283,7 +283,10 @@ def test_cpu_platform_describes_this_machine() -> None:
     unset = EngineConfig(model=ModelConfig(device="", attention_backend="", page_size=0))
     model = platform.adjust_defaults(unset).model
     assert (model.device, model.attention_backend, model.page_size) == ("cpu", "torch", 16)
-    chosen = EngineConfig(model=ModelConfig(device="cpu", attention_backend="x", page_size=4))
+    assert model.quantization == "fp16"
+    chosen = EngineConfig(
+        model=ModelConfig(device="cpu", attention_backend="x", page_size=4, quantization="none")
+    )
     assert platform.adjust_defaults(chosen) is chosen  # what the user chose stays
 
 

@@ -68,9 +68,12 @@ def test_default_gguf_greedy_64_matches_transformers(
     prompt = list(
         prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
     )
-    runner = make_runner(default_gguf, num_pages=64)
-    ours = greedy(runner, "g", prompt, 64, Pages())
     ref = AutoModelForCausalLM.from_pretrained(
         str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
     )
-    assert ours == hf_greedy(ref.eval(), prompt, 64), tok.decode(ours)
+    want = hf_greedy(ref.eval(), prompt, 64)
+    # fp32 weights as loaded, and the CPU default: the same weights rounded to fp16
+    for quantization in ("none", "fp16"):
+        runner = make_runner(default_gguf, num_pages=64, quantization=quantization)
+        ours = greedy(runner, "g", prompt, 64, Pages())
+        assert ours == want, (quantization, tok.decode(ours))
