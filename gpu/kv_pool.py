@@ -33,13 +33,13 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         # One tensor so a page's K and V across all layers move with one index_select
-        # (HiCache). [layers, 2 (k|v), pages, page_size, kv_heads, head_dim]
+        # (HiCache). [layers, 2 (k|v), kv_heads, pages, page_size, head_dim]
         self.kv = torch.zeros(
             num_layers,
             2,
+            num_kv_heads,
             num_pages,
             page_size,
-            num_kv_heads,
             head_dim,
             dtype=dtype,
             device=self.device,
@@ -50,35 +50,35 @@ class KVPool:
         return self.kv.numel() * self.kv.element_size()
 
     def k_pages(self, layer: int) -> torch.Tensor:
-        """[pages, page_size, kv_heads, head_dim], a view (paged layout, as flashinfer wants)."""
+        """[kv_heads, pages, page_size, head_dim], a view."""
         return self.kv[layer, 0]
 
     def v_pages(self, layer: int) -> torch.Tensor:
         return self.kv[layer, 1]
 
     def k_slots(self, layer: int) -> torch.Tensor:
-        """[pages * page_size, kv_heads, head_dim], a view indexed by flat slot."""
-        return self.kv[layer, 0].view(-1, self.num_kv_heads, self.head_dim)
+        """[kv_heads, pages * page_size, head_dim], a view indexed by flat slot on dim 1."""
+        return self.kv[layer, 0].view(self.num_kv_heads, -1, self.head_dim)
 
     def v_slots(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1].view(-1, self.num_kv_heads, self.head_dim)
+        return self.kv[layer, 1].view(self.num_kv_heads, -1, self.head_dim)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens. slots [T] int64; k, v [T, kv_heads, head_dim]."""
-        self.k_slots(layer).index_copy_(0, slots, k.to(self.dtype))
-        self.v_slots(layer).index_copy_(0, slots, v.to(self.dtype))
+        self.k_slots(layer).index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
+        self.v_slots(layer).index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
     # Whole pages, for host/storage tiers. A page's data is
-    # [layers, 2, page_size, kv_heads, head_dim]; several pages stack on dim 2.
+    # [layers, 2, kv_heads, page_size, head_dim]; several pages stack on dim 3.
 
     def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """[layers, 2, n, page_size, kv_heads, head_dim], a copy."""
+        """[layers, 2, kv_heads, n, page_size, head_dim], a copy."""
         idx = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
-        return self.kv.index_select(2, idx)
+        return self.kv.index_select(3, idx)
 
     def write_pages(self, page_ids: list[int] | torch.Tensor, data: torch.Tensor) -> None:
         idx = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
-        self.kv.index_copy_(2, idx, data.to(device=self.device, dtype=self.dtype))
+        self.kv.index_copy_(3, idx, data.to(device=self.device, dtype=self.dtype))
 
     def read_pages_numpy(self, page_ids: list[int]) -> np.ndarray:
         """Like ``read_pages`` on the host; bfloat16 comes back as its raw uint16 bits."""

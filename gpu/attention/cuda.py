@@ -4,9 +4,10 @@ construction with a message saying what to use instead.
 
 Their kernels are not written yet: on CUDA they run the torch reference path (so
 a platform that picks "flashinfer" by default still serves) and say so once. The
-pool's paged layout ([pages, page_size, Hkv, D] per layer, ``KVPool.k_pages``)
-is the one flashinfer's paged kernels read, so a real backend only has to
-replace ``init_forward_metadata`` (plan) and ``forward`` (run).
+CPU pool is head-major ([Hkv, pages, page_size, D] per layer, ``KVPool.k_pages``),
+which flashinfer's paged kernels do not read: a real backend also brings a pool
+in flashinfer's layout (the platform's ``kv_pool_class``) besides replacing
+``init_forward_metadata`` (plan) and ``forward`` (run).
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 Per step, sequences split into two groups:
 
 - decodes (one new token each) run as ONE batched SDPA per layer: their pages are
-  gathered with a single index into [B, pages * page_size] keys, padded keys
-  masked off. The G query heads sharing a KV head ride in SDPA's query-length
-  dimension ([B, Hkv, G, D]), so GQA needs no copy of K/V.
+  gathered with a single index along the head-major pool's page axis, which
+  leaves each sequence's keys contiguous per head; SDPA reads that as a strided
+  [B, Hkv, pages * page_size, D] view (no second copy), padded keys masked off.
+  The G query heads sharing a KV head ride in SDPA's query-length dimension
+  ([B, Hkv, G, D]), so GQA needs no copy of K/V.
 - prefills run one SDPA each: a fresh prompt attends causally to its own K/V
   (no gather); a chunk extending a cached prefix gathers its pages and uses a
   precomputed offset-causal mask.
@@ -133,16 +135,13 @@ class TorchNativeBackend(AttentionBackend):
     def _gather(
         self, pages: torch.Tensor, table: torch.Tensor, batch: int, key_len: int
     ) -> torch.Tensor:
-        """pages [P, page, Hkv, D], table [B, n] → keys [B, Hkv, key_len, D], contiguous.
-
-        index_select on whole pages copies page-sized runs (advanced indexing is ~5x
-        slower here), and SDPA runs faster on contiguous heads than on a strided view.
+        """pages [Hkv, P, page, D], table [B, n] → keys [B, Hkv, key_len, D], a view
+        of one copy: index_select on whole pages copies page-sized runs (advanced
+        indexing is ~5x slower here), and SDPA reads the strided batch axis in place.
         """
         Hkv, D = self.num_kv_heads, self.head_dim
-        flat = pages.index_select(0, table.view(-1)).view(
-            batch, -1, Hkv, D
-        )  # [B, n * page, Hkv, D]
-        return flat[:, :key_len].transpose(1, 2).contiguous()
+        flat = pages.index_select(1, table.view(-1)).view(Hkv, batch, -1, D)  # [Hkv, B, n*page, D]
+        return flat[:, :, :key_len].transpose(0, 1)
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, p: _Prefill

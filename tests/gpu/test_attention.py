@@ -79,16 +79,16 @@ def test_pages_saved_and_restored_elsewhere_resume_the_same(runner: ModelRunner)
     assert saved.shape == (
         runner.info.num_layers,
         2,
+        runner.info.num_kv_heads,
         3,
         16,
-        runner.info.num_kv_heads,
         runner.info.head_dim,
     )
     runner.pool.write_pages_numpy([40, 41, 42], saved)
     resumed = runner.run([SeqSpec([5], 33, [40, 41, 42])])
     original = runner.run([SeqSpec([5], 33, [10, 11, 12])])
     assert torch.equal(resumed, original)
-    assert np.array_equal(runner.pool.read_pages_numpy([41]), saved[:, :, 1:2])
+    assert np.array_equal(runner.pool.read_pages_numpy([41]), saved[:, :, :, 1:2])
 
 
 def test_kv_pool_layout() -> None:
@@ -97,12 +97,13 @@ def test_kv_pool_layout() -> None:
     )
     k = torch.randn(3, 2, 4)
     pool.write(1, torch.tensor([0, 9, 31]), k, -k)
-    assert torch.equal(pool.k_pages(1)[1, 1], k[1].to(torch.bfloat16))  # slot 9 = page 1, offset 1
-    assert torch.equal(pool.v_slots(1)[31], (-k[2]).to(torch.bfloat16))
+    # slot 9 = page 1, offset 1; heads lead
+    assert torch.equal(pool.k_pages(1)[:, 1, 1], k[1].to(torch.bfloat16))
+    assert torch.equal(pool.v_slots(1)[:, 31], (-k[2]).to(torch.bfloat16))
     raw = pool.read_pages_numpy([3])
     assert raw.dtype == np.uint16  # bf16 travels as raw bits
     pool.write_pages_numpy([0], raw)
-    assert torch.equal(pool.k_pages(1)[0, 7], k[2].to(torch.bfloat16))
+    assert torch.equal(pool.k_pages(1)[:, 0, 7], k[2].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("name", ["flashinfer", "triton"])
