@@ -63,6 +63,12 @@ class KVPool:
     def v_slots(self, layer: int) -> torch.Tensor:
         return self.kv[layer, 1].view(self.num_kv_heads, -1, self.head_dim)
 
+    def page_rows(self, layer: int) -> torch.Tensor:
+        """[2 * kv_heads * pages, page_size * head_dim], a view: the page ``p`` of head
+        ``h`` of K (``kv=0``) or V (``kv=1``) is row ``(kv * kv_heads + h) * pages + p``,
+        so one index_select gathers a batch's K and V for every head."""
+        return self.kv[layer].view(-1, self.page_size * self.head_dim)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens. slots [T] int64; k, v [T, kv_heads, head_dim]."""
         self.k_slots(layer).index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))

@@ -19,6 +19,7 @@ all layers, so the per-layer Python cost is a handful of ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,8 @@ class _Prefill:
 @dataclass
 class _Decode:
     rows: slice | torch.Tensor  # where the group's tokens sit in the packed batch
-    page_table: torch.Tensor  # [B, P] int64, padded with page 0 (masked)
+    batch: int
+    gather_rows: torch.Tensor  # [2 * Hkv * B * P] rows of KVPool.page_rows; pad = page 0
     mask: torch.Tensor | None  # [B, 1, 1, P * page_size] bool; None when no padding
     key_len: int  # P * page_size, trimmed to the longest sequence
 
@@ -54,6 +56,10 @@ class _Plan:
 
 
 class TorchNativeBackend(AttentionBackend):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._buffer: torch.Tensor | None = None  # decode's gathered K/V, reused
+
     def init_forward_metadata(self, meta: ForwardMeta) -> None:
         device = meta.input_ids.device
         ps = meta.page_size
@@ -79,7 +85,12 @@ class TorchNativeBackend(AttentionBackend):
                 if contiguous
                 else torch.tensor(rows_list, dtype=torch.long, device=device)
             )
-            decode = _Decode(rows, torch.from_numpy(table).to(device), mask, max_len)
+            # K then V, head by head, sequence by sequence: (kv * Hkv + h) * pages + page
+            offsets = np.arange(2 * self.num_kv_heads, dtype=np.int64) * self.pool.num_pages
+            gather = (offsets[:, None] + table.reshape(1, -1)).reshape(-1)
+            decode = _Decode(
+                rows, len(decode_idx), torch.from_numpy(gather).to(device), mask, max_len
+            )
         prefills = []
         for i, n in enumerate(meta.extend_lens):
             if n == 1:
@@ -124,13 +135,23 @@ class TorchNativeBackend(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, layer: int, d: _Decode) -> torch.Tensor:
-        B = d.page_table.shape[0]
-        Hkv, D = self.num_kv_heads, self.head_dim
+        B, Hkv, D = d.batch, self.num_kv_heads, self.head_dim
         qd = q[d.rows].view(B, Hkv, -1, D)  # [B, Hkv, G, D]: the G heads of a group as G queries
-        keys = self._gather(self.pool.k_pages(layer), d.page_table, B, d.key_len)
-        vals = self._gather(self.pool.v_pages(layer), d.page_table, B, d.key_len)
+        rows = self.pool.page_rows(layer)
+        # Into a buffer reused by every layer and step: a fresh multi-MB tensor per
+        # layer costs more in page faults than the copy itself.
+        out_rows = self._scratch(d.gather_rows.numel() * rows.shape[1], rows)
+        torch.index_select(rows, 0, d.gather_rows, out=out_rows.view(-1, rows.shape[1]))
+        kv = out_rows.view(2, Hkv, B, -1, D)[:, :, :, : d.key_len]  # [2, Hkv, B, L, D]
+        keys, vals = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [B, Hkv, L, D] views
         out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.mask, scale=self.scale)
         return out.reshape(B, -1)  # [B, H * D]
+
+    def _scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype:
+            buf = self._buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
 
     def _gather(
         self, pages: torch.Tensor, table: torch.Tensor, batch: int, key_len: int
