@@ -1,20 +1,10 @@
 """The actor runtime: an Actor's inbox, dispatch table, and its ways to talk.
 
-An actor declares the messages it accepts and a handler for each::
-
-    class Echo(Actor):
-        role = "echo"
-        inbox = (Ping,)
-
-        @handles(Ping)
-        async def on_ping(self, msg: Ping, env: Envelope) -> Pong:
-            return Pong(payload=msg.payload)
-
-A handler returns a reply (sent when the message was a request), ``None``, or is
-an async generator whose items stream back to the requester. Callers use
-``send`` (fire and forget), ``request`` (one reply, with a timeout) and
-``stream`` (many replies). When a peer dies (the supervisor says ``PeerDown``),
-every pending call to it fails at once with :class:`ActorDied`.
+:class:`ActorRuntime` runs one :class:`~actorlm.actors.actor.Actor` (declared as
+that module shows): it binds the actor's inbox, hands each message to its
+handler, and sends, requests and streams for it. When a peer dies (the
+supervisor says ``PeerDown``), every pending call to it fails at once with
+:class:`ActorDied`.
 
 Every message in and out passes through the actor's interceptor chain; a
 message that fails to decode, or is rejected, gets its sender an error reply
@@ -29,11 +19,11 @@ import inspect
 import itertools
 import logging
 import os
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
-from ..config import EngineConfig
 from ..extensions.interceptors import DROP, InterceptorChain, Reject
 from ..messages.base import Message
 from ..messages.control import (
@@ -50,6 +40,8 @@ from ..messages.control import (
     Stats,
 )
 from ..messages.envelope import Codec, DecodeError, Envelope, Kind
+from .actor import Actor, handles
+from .calls import ActorDied, ActorError, Calls, RemoteError, RequestTimeout, error_from_reply
 from .transport import Inbox, Outbox, Transport
 
 __all__ = [
@@ -64,121 +56,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-Handler = Callable[[Any, Message, Envelope], Any]
-
-
-class ActorError(Exception):
-    """A failed call to another actor. ``code`` is stable; ``status`` HTTP-like."""
-
-    code = "actor_error"
-    status = 500
-
-    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-        if status is not None:
-            self.status = status
-
-
-class RequestTimeout(ActorError):
-    code, status = "timeout", 504
-
-
-class ActorDied(ActorError):
-    code, status = "actor_died", 503
-
-
-class RemoteError(ActorError):
-    """The peer answered with an ErrorReply."""
-
-
-def _error_from_reply(reply: ErrorReply) -> ActorError:
-    cls = ActorDied if reply.code == ActorDied.code else RemoteError
-    return cls(reply.message, code=reply.code, status=reply.status)
-
-
-def handles(*types: type[Message]) -> Callable[[T], T]:
-    """Mark an actor method as the handler of ``types``."""
-
-    def decorator(fn: T) -> T:
-        fn._actorlm_handles = types  # type: ignore[attr-defined]
-        return fn
-
-    return decorator
-
-
-class Actor:
-    """Base class: subclasses set ``role`` and ``inbox`` and decorate handlers."""
-
-    role: ClassVar[str] = ""
-    inbox: ClassVar[tuple[type[Message], ...]] = ()
-    handlers: ClassVar[dict[type[Message], str]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        table: dict[type[Message], str] = {}
-        for klass in reversed(cls.__mro__):
-            for name, fn in vars(klass).items():
-                for typ in getattr(fn, "_actorlm_handles", ()):
-                    table[typ] = name
-        cls.handlers = table
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.runtime: ActorRuntime  # set when the runtime adopts the actor
-
-    # -- lifecycle (override) -------------------------------------------------
-    async def on_start(self) -> None:
-        """Runs before READY is announced: load models, connect to peers."""
-
-    async def on_stop(self) -> None:
-        """Runs once on shutdown, after the inbox is closed."""
-
-    async def on_failure(self, exc: BaseException, msg: Message | None) -> None:
-        """A handler raised ``exc`` while handling ``msg`` (the actor keeps running)."""
-
-    async def on_peer_down(self, role: str, reason: str) -> None:
-        """The supervisor reported ``role`` dead; pending calls to it already failed."""
-
-    async def on_peer_up(self, role: str) -> None:
-        """``role`` is back (restarted)."""
-
-    async def on_error(self, env: Envelope, error: ErrorReply) -> None:
-        """A message this actor *sent* (not requested) was rejected or failed at the peer."""
-
-    def ready_info(self) -> dict[str, Any]:
-        """Facts announced with READY (e.g. the worker's model info)."""
-        return {}
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    # -- talking (delegates to the runtime) -----------------------------------
-    async def send(self, to: str, msg: Message) -> int:
-        return await self.runtime.send(to, msg)
-
-    async def request(self, to: str, msg: Message, timeout: float | None = None) -> Message:
-        return await self.runtime.request(to, msg, timeout)
-
-    def stream(self, to: str, msg: Message, timeout: float | None = None) -> AsyncIterator[Message]:
-        return self.runtime.stream(to, msg, timeout)
-
-    def spawn(self, coro: Awaitable[Any], name: str | None = None) -> asyncio.Task[Any]:
-        """Run ``coro`` in the actor's task group (cancelled on stop)."""
-        return self.runtime.spawn(coro, name)
-
-    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking work (a forward pass, a long tokenization) off the event loop."""
-        return await asyncio.to_thread(fn, *args)
-
-
-@dataclass
-class _Pending:
-    to: str
-    future: asyncio.Future[Message] | None = None
-    queue: asyncio.Queue[tuple[int, Message]] | None = None
+Builtin = Callable[[Envelope, Any], Awaitable[None]]
+Inbound = tuple[Envelope, Message] | DecodeError  # what waits in the slow lane
 
 
 @dataclass
@@ -212,22 +91,28 @@ class ActorRuntime:
         self.codec = Codec(self.options.max_message_bytes)
         chain = self.options.interceptors
         self.interceptors = chain if chain is not None else InterceptorChain(self.role)
+        # A chain's members are fixed when it is built: with none, skip it outright.
+        self._intercepting = bool(self.interceptors)
         self.down: set[str] = set()
         self.ready = asyncio.Event()
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self.calls = Calls()
+        self._builtins = self._builtin_table()
         self._outboxes: dict[str, Outbox] = {}
         self._inbox: Inbox | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
         self._backlog: list[tuple[Envelope, Message]] = []
+        self._slow: deque[Inbound] = deque()  # the slow lane (see "receiving")
+        self._slow_ready = asyncio.Event()
         actor.runtime = self
 
     # -- lifecycle -----------------------------------------------------------
     async def serve(self) -> None:
         """Bind, start the actor, announce READY, and dispatch until stopped."""
         self._inbox = self.transport.bind(self.options.bind or self.address)
-        recv = asyncio.create_task(self._recv_loop(), name=f"{self.role}-recv")
+        self._inbox.listen(self._on_frames)
+        recv = asyncio.create_task(self._slow_loop(), name=f"{self.role}-recv")
         beat: asyncio.Task[Any] | None = None
         try:
             start = asyncio.create_task(self.actor.on_start())
@@ -255,11 +140,14 @@ class ActorRuntime:
             if recv.done() and not self._stopping.is_set():
                 recv.result()  # the receive loop died: raise its error
         finally:
+            if self._inbox is not None:  # nothing new starts while we wind down
+                self._inbox.close()
+                self._inbox = None
             for task in (recv, beat, *self._tasks):
                 if task is not None:
                     task.cancel()
             await asyncio.gather(recv, *self._tasks, return_exceptions=True)
-            self._fail_pending(lambda p: True, ActorDied(f"{self.role} is stopping"))
+            self.calls.fail(ActorDied(f"{self.role} is stopping"))
             with contextlib.suppress(Exception):
                 await self.actor.on_stop()
             self.close()
@@ -279,6 +167,9 @@ class ActorRuntime:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         if name:
             task.set_name(name)
+        return self._track(task)
+
+    def _track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -313,7 +204,7 @@ class ActorRuntime:
     async def _emit(
         self, to: str, msg: Message, kind: Kind, msg_id: int, reply_to: int = 0
     ) -> bool:
-        if self.interceptors:
+        if self._intercepting:
             out = await self.interceptors.run(msg, "out", to, msg.TAG)
             if out is DROP:
                 return False
@@ -335,19 +226,12 @@ class ActorRuntime:
         if to in self.down:
             raise ActorDied(f"actor {to!r} is down")
         msg_id = next(self._ids)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Message] = loop.create_future()
-        self._pending[msg_id] = _Pending(to, future=future)
-        limit = self._timeout(timeout)
-        # A timer on the future, not asyncio.wait_for: wait_for costs a task
-        # switch and callbacks on every request; the timer is one heap entry.
-        timer = loop.call_later(limit, _expire, future, to, msg.TAG, limit)
+        future = self.calls.request(msg_id, to, msg.TAG, self._timeout(timeout))
         try:
             await self._emit(to, msg, Kind.REQUEST, msg_id)
             return await future
         finally:
-            timer.cancel()
-            self._pending.pop(msg_id, None)
+            self.calls.finish(msg_id)
 
     async def stream(
         self, to: str, msg: Message, timeout: float | None = None
@@ -356,8 +240,7 @@ class ActorRuntime:
         if to in self.down:
             raise ActorDied(f"actor {to!r} is down")
         msg_id = next(self._ids)
-        queue: asyncio.Queue[tuple[int, Message]] = asyncio.Queue()
-        self._pending[msg_id] = _Pending(to, queue=queue)
+        queue = self.calls.stream(msg_id, to)
         try:
             await self._emit(to, msg, Kind.REQUEST, msg_id)
             while True:
@@ -369,10 +252,10 @@ class ActorRuntime:
                     return
                 if kind == Kind.ERROR:
                     assert isinstance(item, ErrorReply)
-                    raise _error_from_reply(item)
+                    raise error_from_reply(item)
                 yield item
         finally:
-            self._pending.pop(msg_id, None)
+            self.calls.finish(msg_id)
 
     async def _reply(self, env: Envelope, msg: Message, kind: Kind) -> None:
         try:
@@ -384,23 +267,64 @@ class ActorRuntime:
         await self._reply(env, ErrorReply(code=code, message=message, status=status), Kind.ERROR)
 
     # -- receiving -----------------------------------------------------------
-    async def _recv_loop(self) -> None:
-        assert self._inbox is not None
+    # Two lanes, one order. The fast lane runs inside the inbox's loop callback
+    # and finishes what needs no await: a reply handed to its call, a message
+    # handed to a new handler task. The rest (interceptors, built-in messages,
+    # bad frames, anything before READY) goes to the slow lane, a task that
+    # awaits each in turn; while it holds anything, later arrivals queue behind.
+    def _on_frames(self, frames: list[bytes]) -> None:
+        item: Inbound
+        try:
+            item = self.codec.decode(frames)
+        except DecodeError as exc:
+            item = exc
+        else:
+            self._learn(item[0])
+            if not self._slow and self._handle_now(*item):
+                return
+        self._slow.append(item)
+        self._slow_ready.set()
+
+    def _handle_now(self, env: Envelope, msg: Message) -> bool:
+        """Finish ``msg`` here if that needs no await; False leaves it to the slow lane."""
+        if self._intercepting:
+            return False
+        if env.kind >= Kind.REPLY:
+            if env.reply_to in self.calls:
+                self.calls.deliver(env.reply_to, env.kind, msg)
+                return True
+            return env.kind != Kind.ERROR  # a late reply is dropped, a late error reported
+        if type(msg) in self._builtins or not self.ready.is_set():
+            return False
+        name = self.actor.handlers.get(type(msg))
+        if name is None:
+            return False
+        self._start_handler(env, msg, name)
+        return True
+
+    async def _slow_loop(self) -> None:
+        slow = self._slow
         while True:
-            frames = await self._inbox.recv()
-            try:
-                env, msg = self.codec.decode(frames)
-            except DecodeError as exc:
-                log.warning("%s: rejected a message: %s", self.role, exc)
-                bad = exc.envelope
-                if bad is not None and bad.kind in (Kind.SEND, Kind.REQUEST) and self._learn(bad):
-                    await self._reply_error(bad, "bad_message", str(exc), 400)
+            if not slow:
+                self._slow_ready.clear()
+                await self._slow_ready.wait()
                 continue
-            self._learn(env)
-            if env.kind >= Kind.REPLY:
-                await self._on_reply(env, msg)
-            else:
-                await self._on_message(env, msg)
+            item = slow[0]  # it stays queued while handled: later arrivals wait behind it
+            try:
+                if isinstance(item, DecodeError):
+                    await self._on_bad_frames(item)
+                elif item[0].kind >= Kind.REPLY:
+                    await self._on_reply(*item)
+                else:
+                    await self._on_message(*item)
+            finally:
+                slow.popleft()
+
+    async def _on_bad_frames(self, exc: DecodeError) -> None:
+        log.warning("%s: rejected a message: %s", self.role, exc)
+        bad = exc.envelope
+        if bad is not None and bad.kind in (Kind.SEND, Kind.REQUEST) and self._learn(bad):
+            await self._reply_error(bad, "bad_message", str(exc), 400)
 
     def _learn(self, env: Envelope) -> bool:
         """Remember where ``env.sender`` lives so replies and later sends reach it."""
@@ -409,63 +333,46 @@ class ActorRuntime:
         return env.sender in self.book
 
     async def _intercept_in(self, env: Envelope, msg: Message) -> Message | None:
-        if not self.interceptors:
-            return msg
         try:
             out = await self.interceptors.run(msg, "in", env.sender, env.tag)
         except Reject as exc:
             if env.kind in (Kind.SEND, Kind.REQUEST):
                 await self._reply_error(env, "rejected", exc.reason, exc.status)
-            elif env.reply_to in self._pending:
-                self._deliver(
-                    env.reply_to, Kind.ERROR, ErrorReply(code="rejected", message=exc.reason)
-                )
+            else:
+                rejected = ErrorReply(code="rejected", message=exc.reason)
+                self.calls.deliver(env.reply_to, Kind.ERROR, rejected)
             return None
         return None if out is DROP else out
 
     async def _on_reply(self, env: Envelope, msg: Message) -> None:
-        pending = self._pending.get(env.reply_to)
-        if pending is None:
+        if env.reply_to not in self.calls:
             if env.kind == Kind.ERROR and isinstance(msg, ErrorReply):
                 await self._guard(self.actor.on_error(env, msg), msg)
             return  # a late reply to a request that timed out
-        intercepted = await self._intercept_in(env, msg)
-        if intercepted is not None:
-            self._deliver(env.reply_to, Kind(env.kind), intercepted)
-
-    def _deliver(self, msg_id: int, kind: Kind, msg: Message) -> None:
-        pending = self._pending.get(msg_id)
-        if pending is None:
-            return
-        if pending.queue is not None:
-            pending.queue.put_nowait((kind, msg))
-        elif pending.future is not None and not pending.future.done():
-            if kind == Kind.ERROR and isinstance(msg, ErrorReply):
-                pending.future.set_exception(_error_from_reply(msg))
-            else:
-                pending.future.set_result(msg)
-
-    def _fail_pending(self, match: Callable[[_Pending], bool], exc: ActorError) -> None:
-        reply = ErrorReply(code=exc.code, message=str(exc), status=exc.status)
-        for msg_id, pending in list(self._pending.items()):
-            if match(pending):
-                self._deliver(msg_id, Kind.ERROR, reply)
+        if self._intercepting:
+            intercepted = await self._intercept_in(env, msg)
+            if intercepted is None:
+                return
+            msg = intercepted
+        self.calls.deliver(env.reply_to, env.kind, msg)
 
     async def _on_message(self, env: Envelope, msg: Message) -> None:
-        intercepted = await self._intercept_in(env, msg)
-        if intercepted is None:
-            return
-        if not self.ready.is_set() and not isinstance(intercepted, (PeerDown, PeerUp, Shutdown)):
+        if self._intercepting:
+            intercepted = await self._intercept_in(env, msg)
+            if intercepted is None:
+                return
+            msg = intercepted
+        if not self.ready.is_set() and not isinstance(msg, (PeerDown, PeerUp, Shutdown)):
             # Not started yet: handlers would see a half-built actor. Even Ping waits,
             # so a peer that pings until it gets an answer knows we are ready.
-            self._backlog.append((env, intercepted))
+            self._backlog.append((env, msg))
             return
-        await self._dispatch_message(env, intercepted)
+        await self._dispatch_message(env, msg)
 
     async def _dispatch_message(self, env: Envelope, msg: Message) -> None:
-        builtin = self._builtin(env, msg)
+        builtin = self._builtins.get(type(msg))
         if builtin is not None:
-            await builtin
+            await builtin(env, msg)
             return
         name = self.actor.handlers.get(type(msg))
         if name is None:
@@ -473,28 +380,43 @@ class ActorRuntime:
                 env, "no_handler", f"{self.role} does not accept {env.tag!r}", 400
             )
             return
-        self.spawn(self._dispatch(env, msg, getattr(self.actor, name)))
+        self._start_handler(env, msg, name)
 
-    def _builtin(self, env: Envelope, msg: Message) -> Awaitable[None] | None:
-        """Messages every actor understands, answered by the runtime itself."""
-        if isinstance(msg, Ping) and Ping not in self.actor.handlers:
-            return self._reply(env, Pong(payload=msg.payload), Kind.REPLY)
-        if isinstance(msg, GetStats) and GetStats not in self.actor.handlers:
-            return self._reply(env, Stats(role=self.role, values=self.actor.stats()), Kind.REPLY)
-        if isinstance(msg, PeerDown):
-            return self._peer_down(msg)
-        if isinstance(msg, PeerUp):
-            return self._peer_up(msg)
-        if isinstance(msg, Shutdown):
-            self.stop()
-            return self._reply(env, Ack(), Kind.REPLY) if env.kind == Kind.REQUEST else _done()
-        return None
+    def _start_handler(self, env: Envelope, msg: Message, name: str) -> None:
+        # A task per message, so a handler that awaits another actor never holds up
+        # receiving. No done callback, which would cost the loop another round per
+        # message: the task leaves ``_tasks`` itself when it ends (see _dispatch).
+        coro = self._dispatch(env, msg, getattr(self.actor, name))
+        self._tasks.add(asyncio.get_running_loop().create_task(coro))
+
+    def _builtin_table(self) -> dict[type[Message], Builtin]:
+        """Messages every actor understands, answered by the runtime itself
+        (Ping and GetStats only where the actor has no handler of its own)."""
+        table: dict[type[Message], Builtin] = {
+            PeerDown: lambda env, msg: self._peer_down(msg),
+            PeerUp: lambda env, msg: self._peer_up(msg),
+            Shutdown: self._shutdown,
+        }
+        if Ping not in self.actor.handlers:
+            table[Ping] = self._pong
+        if GetStats not in self.actor.handlers:
+            table[GetStats] = self._stats
+        return table
+
+    async def _pong(self, env: Envelope, msg: Ping) -> None:
+        await self._reply(env, Pong(payload=msg.payload), Kind.REPLY)
+
+    async def _stats(self, env: Envelope, msg: Message) -> None:
+        await self._reply(env, Stats(role=self.role, values=self.actor.stats()), Kind.REPLY)
+
+    async def _shutdown(self, env: Envelope, msg: Message) -> None:
+        self.stop()
+        if env.kind == Kind.REQUEST:
+            await self._reply(env, Ack(), Kind.REPLY)
 
     async def _peer_down(self, msg: PeerDown) -> None:
         self.down.add(msg.role)
-        self._fail_pending(
-            lambda p: p.to == msg.role, ActorDied(f"actor {msg.role!r} died: {msg.reason}")
-        )
+        self.calls.fail(ActorDied(f"actor {msg.role!r} died: {msg.reason}"), to=msg.role)
         await self._guard(self.actor.on_peer_down(msg.role, msg.reason), msg)
 
     async def _peer_up(self, msg: PeerUp) -> None:
@@ -538,12 +460,5 @@ class ActorRuntime:
                 env, "handler_error", f"{self.role}: {type(exc).__name__}: {exc}", 500
             )
             await self._guard(self.actor.on_failure(exc, msg), msg)
-
-
-async def _done() -> None:
-    return None
-
-
-def _expire(future: asyncio.Future[Message], to: str, tag: str, limit: float) -> None:
-    if not future.done():
-        future.set_exception(RequestTimeout(f"{to!r} did not answer {tag!r} within {limit:g}s"))
+        finally:
+            self._tasks.discard(asyncio.current_task())

@@ -5,21 +5,27 @@ host, a Unix socket file), ``tcp://`` (other hosts). Every actor binds one PULL
 socket (its inbox); senders keep one PUSH socket per peer address. The
 in-memory transport used by the test harness has the same interface and still
 moves encoded frames, so codec and interceptors run as they do on the wire.
+
+An inbox hands each message's frames to the function given to ``listen``,
+straight from the event loop's callback and in arrival order, so a message
+costs no future and no task switch before the actor sees it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections import deque
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, cast
 
 import zmq
 import zmq.asyncio
 
 __all__ = [
+    "Deliver",
     "Frames",
     "Inbox",
     "MemoryTransport",
@@ -30,10 +36,25 @@ __all__ = [
 ]
 
 Frames = Sequence[bytes | memoryview]
+Deliver = Callable[[list[bytes]], None]
+
+log = logging.getLogger(__name__)
+
+# Plain ints: pyzmq's flag enums combine and convert in Python on every call.
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
+_IntOption = Callable[[int], int]  # getsockopt of an int option
 
 
 class Inbox(Protocol):
-    async def recv(self) -> list[bytes]: ...
+    def listen(self, deliver: Deliver) -> None:
+        """From now on call ``deliver(frames)`` for each message (queued ones first),
+        from the running loop; a message is never delivered twice or out of order."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -56,50 +77,83 @@ class _ZmqInbox:
     """A PULL socket read straight off the event loop.
 
     zmq.asyncio costs a future and a poller round per message. Instead the
-    socket's FD is watched once (``add_reader``) and each wake-up drains every
-    queued message with non-blocking receives, so a burst costs one wake-up and
-    ``recv`` returns without suspending while frames are queued. The ZMQ FD is
-    edge-triggered: it only fires again after a receive has returned ``Again``,
-    which is why the drain always runs until then.
+    socket's FD is watched (``add_reader``) and read with non-blocking receives.
+    The ZMQ FD is edge-triggered: it fires again only once the socket has been
+    read empty, so every wake-up ends with a drain that reads until
+    ``ZMQ_EVENTS`` says nothing is left (asking costs half a failed receive,
+    whose ``Again`` exception is built in Python).
+
+    Asking is a syscall, and a request/reply waits on it, so a wake-up delivers
+    the message that woke it first and the drain runs in a loop callback after
+    whatever that delivery started (a handler, a caller waiting for this reply).
+    A burst costs one wake-up and one drain. Frames are read one by one, a
+    frame's ``more`` saying whether another part follows: ``recv_multipart``
+    asks the socket that with a ``getsockopt`` per frame, which pyzmq turns into
+    an enum in Python.
     """
 
     def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
         self._sock = sock
         self._address = address
-        self._queue: deque[list[bytes]] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._deliver: Deliver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd = sock.getsockopt(zmq.FD)
+        self._drain_pending = False
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
+
+    def listen(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._on_readable)
+        self._drain()  # frames that came before the reader was watching
+
+    def _on_readable(self) -> None:
+        if self._deliver is None:
+            return
+        try:
+            parts = self._read()
+        except zmq.Again:  # woken with nothing to read: the socket is empty again
+            return
+        self._hand_over(parts)
+        if not self._drain_pending:  # after the callbacks the delivery scheduled
+            assert self._loop is not None
+            self._drain_pending = True
+            self._loop.call_soon(self._drain)
 
     def _drain(self) -> None:
-        recv, queue = self._sock.recv_multipart, self._queue
+        self._drain_pending = False
+        if self._deliver is None:
+            return
+        events = cast(_IntOption, self._sock.getsockopt)
+        batch: list[list[bytes]] = []
         try:
-            while True:
-                queue.append(recv(zmq.NOBLOCK))
-        except zmq.Again:
+            while events(_EVENTS) & _POLLIN:
+                batch.append(self._read())
+        except zmq.Again:  # pragma: no cover - EVENTS said a message was there
             pass
-        waiter = self._waiter
-        if queue and waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        for parts in batch:  # all read first: a failing delivery leaves nothing unread
+            self._hand_over(parts)
 
-    async def recv(self) -> list[bytes]:
-        queue = self._queue
-        if not queue:
-            if self._loop is None:
-                self._loop = asyncio.get_running_loop()
-                self._loop.add_reader(self._fd, self._drain)
-            self._drain()  # frames that came before the reader was watching
-            while not queue:
-                self._waiter = self._loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-        return queue.popleft()
+    def _read(self) -> list[bytes]:
+        recv = self._sock.recv
+        frame = recv(_NOBLOCK, copy=False)
+        parts = [frame.bytes]
+        while frame.more:
+            frame = recv(_NOBLOCK, copy=False)
+            parts.append(frame.bytes)
+        return parts
+
+    def _hand_over(self, parts: list[bytes]) -> None:
+        if self._deliver is None:  # closed by an earlier delivery
+            return
+        try:
+            self._deliver(parts)
+        except Exception:
+            log.exception("%s: delivering a message failed", self._address)
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
+        self._deliver = None
         self._sock.close(linger=0)
         path = ipc_path(self._address)
         if path:
@@ -109,15 +163,26 @@ class _ZmqInbox:
 
 class _ZmqOutbox:
     """A PUSH socket with no send limit: a non-blocking send always succeeds
-    at once, so no future is made; ``Again`` (never expected) falls back to zmq.asyncio."""
+    at once, so no future is made; ``Again`` (never expected) falls back to zmq.asyncio.
+
+    Frames go out one ``send`` each with plain-int flags: ``send_multipart``
+    re-checks every frame and combines pyzmq's enum flags in Python, which costs
+    more than the send itself for the two small frames of most messages. Frames
+    from ``zmq.COPY_THRESHOLD`` bytes up (tensor buffers, big bodies) go zero-copy;
+    smaller ones are copied, as pyzmq would, but without its slower zero-copy path.
+    """
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self._sock = sock
 
     async def send(self, frames: Frames) -> None:
+        send, last = self._sock.send, len(frames) - 1
         try:
-            # copy=False: tensor frames go zero-copy; pyzmq still copies small ones.
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            # libzmq takes a message's later parts once it took the first, so
+            # Again can only come before anything was queued.
+            for i, frame in enumerate(frames):
+                copy = len(frame) < _COPY_THRESHOLD
+                send(frame, _NOBLOCK if i == last else _MORE_NOBLOCK, copy=copy)
         except zmq.Again:
             await zmq.asyncio.Socket.shadow(self._sock.underlying).send_multipart(
                 frames, copy=False
@@ -135,7 +200,7 @@ class ZmqTransport:
         self._own_context = context is None
         self.context = context or zmq.asyncio.Context()
         # Plain sockets on the same libzmq context (inproc peers must share it).
-        self._sync = zmq.Context.shadow(self.context.underlying)
+        self._sync: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self.context.underlying)
 
     def bind(self, address: str) -> Inbox:
         path = ipc_path(address)
@@ -161,18 +226,35 @@ class ZmqTransport:
 
 
 class _MemoryQueue:
+    """An inbox in memory: ``send`` queues, a loop callback delivers (never inline,
+    so a sender does not run its receiver's code in the middle of its own)."""
+
     def __init__(self, transport: MemoryTransport, address: str) -> None:
         self._transport = transport
         self._address = address
-        self.queue: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        self.queue: deque[list[bytes]] = deque()
+        self._deliver: Deliver | None = None
 
-    async def recv(self) -> list[bytes]:
-        return await self.queue.get()
+    def listen(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+        if self.queue:
+            asyncio.get_running_loop().call_soon(self._flush)
 
     async def send(self, frames: Frames) -> None:
-        self.queue.put_nowait([bytes(f) for f in frames])
+        self.queue.append([bytes(f) for f in frames])
+        if len(self.queue) == 1 and self._deliver is not None:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        while self.queue and self._deliver is not None:
+            frames = self.queue.popleft()
+            try:
+                self._deliver(frames)
+            except Exception:
+                log.exception("%s: delivering a message failed", self._address)
 
     def close(self) -> None:
+        self._deliver = None
         self._transport.inboxes.pop(self._address, None)
 
 
@@ -191,7 +273,7 @@ class _MemoryOutbox:
 
 
 class MemoryTransport:
-    """Frames through asyncio queues, for the test harness (deterministic, no sleeps)."""
+    """Frames through in-memory queues, for the test harness (deterministic, no sleeps)."""
 
     def __init__(self) -> None:
         self.inboxes: dict[str, _MemoryQueue] = {}
@@ -206,7 +288,7 @@ class MemoryTransport:
         return _MemoryOutbox(self, address)
 
     def pending(self) -> int:
-        return sum(q.queue.qsize() for q in self.inboxes.values())
+        return sum(len(q.queue) for q in self.inboxes.values())
 
     def close(self) -> None:
         self.inboxes.clear()

@@ -3,9 +3,13 @@
 Two processes each way. The actor path uses the real Launcher (one actor
 process) and an ActorRuntime client in this process, on uvloop; the raw path is
 a blocking PUSH/PULL pair per direction with msgpack, the same envelope and
-body sizes, measured in the same run. Latency: request → reply, p50/p99.
-Throughput: one-way messages/s (the last one is a request, answered once the
-receiver has seen them all).
+body sizes. Latency: request → reply, p50/p99. Throughput: one-way messages/s
+(the last one is a request, answered once the receiver has seen them all).
+
+Both paths stay up for the whole run and are measured in alternating rounds
+(``--rounds``: latency rounds, then throughput rounds; which path goes first
+alternates), so a load change on a shared machine hits both alike instead of
+skewing the ratio; ``--rounds 1`` measures each path in one go.
 
     python bench/actor_rtt.py --iters 5000 --msgs 50000
 """
@@ -74,44 +78,57 @@ def percentiles(samples_ns: list[int]) -> tuple[float, float]:
 
 
 # -- the actor path ------------------------------------------------------------------
-async def actor_run(
-    transport: str, payload: bytes, iters: int, msgs: int, warmup: int
-) -> dict[str, Any]:
-    # The launcher shares this loop with the sending client: a burst of sends must not
-    # look like a hung actor to its heartbeat watch.
-    deploy = DeployConfig(transport=transport, heartbeat_s=1.0, heartbeat_misses=60)  # type: ignore[arg-type]
-    cfg = EngineConfig(deploy=deploy)
-    launcher = Launcher(cfg, {"echo": f"{_MODULE}:BenchEcho"})
-    await launcher.start(timeout=60)
-    client = ActorRuntime(
-        BenchClient(cfg), launcher.new_address("bench-client"), launcher.transport, RuntimeOptions()
-    )
-    launcher.attach(client)
-    serve = asyncio.create_task(client.serve())
-    await client.ready.wait()
-    try:
-        ping = Ping(payload=payload)
-        for _ in range(warmup):
-            await client.request("echo", ping)
+class ActorPath:
+    """The echo actor in its own process (started by the Launcher), asked by a client
+    runtime on this loop."""
+
+    def __init__(self, transport: str, payload: bytes) -> None:
+        # The launcher shares this loop with the sending client: a burst of sends must not
+        # look like a hung actor to its heartbeat watch.
+        deploy = DeployConfig(transport=transport, heartbeat_s=1.0, heartbeat_misses=60)  # type: ignore[arg-type]
+        self.config = EngineConfig(deploy=deploy)
+        self.launcher = Launcher(self.config, {"echo": f"{_MODULE}:BenchEcho"})
+        self.payload = payload
+        self.ticks = 0  # Ticks the echo actor has seen
+
+    async def start(self, warmup: int) -> None:
+        await self.launcher.start(timeout=60)
+        address = self.launcher.new_address("bench-client")
+        self.client = ActorRuntime(
+            BenchClient(self.config), address, self.launcher.transport, RuntimeOptions()
+        )
+        self.launcher.attach(self.client)
+        self.serving = asyncio.create_task(self.client.serve())
+        await self.client.ready.wait()
+        await self.latency(warmup)
+        await self.client.request("echo", Tick(i=-1, payload=self.payload))  # warm the Tick path
+        self.ticks += 1
+
+    async def latency(self, iters: int) -> list[int]:
+        ping, request, clock = Ping(payload=self.payload), self.client.request, time.perf_counter_ns
         samples = []
-        clock = time.perf_counter_ns
         for _ in range(iters):
             t0 = clock()
-            await client.request("echo", ping)
+            await request("echo", ping)
             samples.append(clock() - t0)
-        await client.request("echo", Tick(i=-1, payload=payload))  # warm the Tick path
+        return samples
+
+    async def throughput(self, msgs: int) -> float:
+        """Seconds to send ``msgs`` one-way and hear that the last one arrived."""
+        payload = self.payload
         t0 = time.perf_counter()
         for i in range(msgs - 1):
-            await client.send("echo", Tick(i=i, payload=payload))
-        last = await client.request("echo", Tick(i=msgs - 1, payload=payload), timeout=120)
+            await self.client.send("echo", Tick(i=i, payload=payload))
+        last = await self.client.request("echo", Tick(i=msgs - 1, payload=payload), timeout=120)
         elapsed = time.perf_counter() - t0
-        assert isinstance(last, Ack) and int(last.detail) >= msgs, last
-    finally:
-        client.stop()
-        await serve
-        await launcher.stop()
-    p50, p99 = percentiles(samples)
-    return {"p50_us": p50, "p99_us": p99, "msgs_per_s": msgs / elapsed}
+        self.ticks += msgs
+        assert isinstance(last, Ack) and int(last.detail) == self.ticks, last
+        return elapsed
+
+    async def stop(self) -> None:
+        self.client.stop()
+        await self.serving
+        await self.launcher.stop()
 
 
 # -- the raw path ---------------------------------------------------------------------
@@ -140,65 +157,118 @@ def _raw_server(inbox: str, outbox: str) -> None:
     ctx.term()
 
 
-def raw_run(transport: str, payload: bytes, iters: int, msgs: int, warmup: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="actorlm-rtt-") as tmp:
+class RawPath:
+    """A blocking msgpack echo server in its own process, asked with blocking calls."""
+
+    def __init__(self, transport: str, payload: bytes) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="actorlm-rtt-")
         if transport == "ipc":
-            server_addr, client_addr = f"ipc://{tmp}/server.sock", f"ipc://{tmp}/client.sock"
+            server_addr = f"ipc://{self.tmp.name}/server.sock"
+            client_addr = f"ipc://{self.tmp.name}/client.sock"
         else:
             server_addr, client_addr = "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
-        ctx = zmq.Context()
-        pull = ctx.socket(zmq.PULL)
-        pull.bind(client_addr)
-        client_addr = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(client_addr)
+        self.client_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         if transport == "tcp":
             with zmq.Context().socket(zmq.PULL) as probe:  # pick a free port for the server
                 probe.bind(server_addr)
                 server_addr = probe.getsockopt_string(zmq.LAST_ENDPOINT)
-        proc = multiprocessing.get_context("spawn").Process(
-            target=_raw_server, args=(server_addr, client_addr)
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_raw_server, args=(server_addr, self.client_addr)
         )
-        proc.start()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(server_addr)
-        ids = iter(range(1, 1 << 62))
+        self.proc.start()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(server_addr)
+        self.ids = iter(range(1, 1 << 62))
+        self.payload = payload
+        self.ticks = 0
 
-        def call(tag: str, body: dict[str, Any], kind: int = 1) -> Any:
-            push.send_multipart(
-                [
-                    msgpack.packb([tag, next(ids), "client", kind, 0, client_addr, None]),
-                    msgpack.packb(body),
-                ]
-            )
-            if kind != 1:
-                return None
-            env_frame, body_frame = pull.recv_multipart()
-            msgpack.unpackb(env_frame)
-            return msgpack.unpackb(body_frame)
+    def call(self, tag: str, body: dict[str, Any], kind: int = 1) -> Any:
+        self.push.send_multipart(
+            [
+                msgpack.packb([tag, next(self.ids), "client", kind, 0, self.client_addr, None]),
+                msgpack.packb(body),
+            ]
+        )
+        if kind != 1:
+            return None
+        env_frame, body_frame = self.pull.recv_multipart()
+        msgpack.unpackb(env_frame)
+        return msgpack.unpackb(body_frame)
 
-        ping = {"payload": payload}
-        for _ in range(warmup):
-            call("ctl.ping", ping)
+    def start(self, warmup: int) -> None:
+        self.latency(warmup)
+
+    def latency(self, iters: int) -> list[int]:
+        ping, call, clock = {"payload": self.payload}, self.call, time.perf_counter_ns
         samples = []
-        clock = time.perf_counter_ns
         for _ in range(iters):
             t0 = clock()
             call("ctl.ping", ping)
             samples.append(clock() - t0)
+        return samples
+
+    def throughput(self, msgs: int) -> float:
+        payload = self.payload
         t0 = time.perf_counter()
         for i in range(msgs - 1):
-            call("bench.tick", {"i": i, "payload": payload}, kind=0)
-        last = call("bench.tick", {"i": msgs - 1, "payload": payload})
+            self.call("bench.tick", {"i": i, "payload": payload}, kind=0)
+        last = self.call("bench.tick", {"i": msgs - 1, "payload": payload})
         elapsed = time.perf_counter() - t0
-        assert int(last["detail"]) == msgs, last
-        push.send_multipart(
+        self.ticks += msgs
+        assert int(last["detail"]) == self.ticks, last
+        return elapsed
+
+    def stop(self) -> None:
+        self.push.send_multipart(
             [msgpack.packb(["stop", 0, "client", 0, 0, "", None]), msgpack.packb({})]
         )
-        proc.join(10)
-        push.close(0)
-        pull.close(0)
-        ctx.term()
-    p50, p99 = percentiles(samples)
-    return {"p50_us": p50, "p99_us": p99, "msgs_per_s": msgs / elapsed}
+        self.proc.join(10)
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+        self.tmp.cleanup()
+
+
+def summary(samples_ns: list[int], msgs: int, seconds: float) -> dict[str, Any]:
+    p50, p99 = percentiles(samples_ns)
+    return {"p50_us": p50, "p99_us": p99, "msgs_per_s": msgs / seconds}
+
+
+async def compare(
+    transport: str, payload: bytes, iters: int, msgs: int, warmup: int, rounds: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both paths up at once, measured in alternating rounds: (raw, actor). All latency
+    rounds come first, so none follows a throughput burst still being cleaned up; the
+    path that goes first alternates from round to round."""
+    raw, actor = RawPath(transport, payload), ActorPath(transport, payload)
+    samples: dict[str, list[int]] = {"raw": [], "actor": []}
+    seconds = {"raw": 0.0, "actor": 0.0}
+
+    async def latency(path: str, n: int) -> None:
+        # The raw path blocks this loop; the actor path is idle meanwhile.
+        samples[path] += raw.latency(n) if path == "raw" else await actor.latency(n)
+
+    async def throughput(path: str, m: int) -> None:
+        seconds[path] += raw.throughput(m) if path == "raw" else await actor.throughput(m)
+
+    try:
+        raw.start(warmup)
+        await actor.start(warmup)
+        for measure, total in ((latency, iters), (throughput, msgs)):
+            for r in range(rounds):
+                share = total // rounds + (r < total % rounds)
+                for path in ("raw", "actor") if r % 2 == 0 else ("actor", "raw"):
+                    await measure(path, share)
+    finally:
+        raw.stop()
+        await actor.stop()
+    return (
+        summary(samples["raw"], msgs, seconds["raw"]),
+        summary(samples["actor"], msgs, seconds["actor"]),
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -223,14 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--msgs", type=int, default=50000, help="one-way messages for throughput")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes per message")
     parser.add_argument("--transports", default="ipc,tcp", help="comma-separated: ipc,tcp")
+    parser.add_argument(
+        "--rounds", type=int, default=10, help="alternating raw/actor rounds per transport"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "actor_rtt.json"))
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.iters < args.rounds or args.msgs < 2 * args.rounds:
+        parser.error("need --rounds >= 1, --iters >= rounds and --msgs >= 2 * rounds")
     payload = b"x" * args.payload
     rows: list[dict[str, Any]] = []
     run = event_loop_runner()
     for transport in args.transports.split(","):
-        raw = raw_run(transport, payload, args.iters, args.msgs, args.warmup)
-        actor = run(actor_run(transport, payload, args.iters, args.msgs, args.warmup))
+        raw, actor = run(
+            compare(transport, payload, args.iters, args.msgs, args.warmup, args.rounds)
+        )
         actor["rtt_ratio"] = actor["p50_us"] / raw["p50_us"]
         actor["tput_ratio"] = raw["msgs_per_s"] / actor["msgs_per_s"]
         rows += [
@@ -244,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "msgs": args.msgs,
         "payload": args.payload,
+        "rounds": args.rounds,
         "python": sys.version.split()[0],
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

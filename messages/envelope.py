@@ -100,7 +100,7 @@ class Codec:
             env = self._env_decoder.decode(frames[0])
         except msgspec.DecodeError as exc:
             raise DecodeError(f"bad envelope: {exc}") from None
-        size = sum(len(f) for f in frames)
+        size = sum(map(len, frames))
         if size > self.max_message_bytes:
             raise MessageTooLarge(
                 f"message {env.tag!r} is {size} bytes, over the {self.max_message_bytes}-byte limit",
