@@ -48,6 +48,9 @@ def test_fp16_method_matches_transformers_on_fp16_rounded_weights(
 ) -> None:
     path = tiny_model_factory(arch)
     runner = make_runner(path, quantization="fp16")
+    linears = [m for m in runner.model.modules() if isinstance(m, nn.Linear | Fp16Linear)]
+    assert all(isinstance(m, Fp16Linear) for m in linears)
+    assert len(linears) == 4 * runner.info.num_layers and runner.model.head is not None
     ref = _fp16_rounded_reference(path)
     pages = Pages()
     seqs = [SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(PROMPTS)]
