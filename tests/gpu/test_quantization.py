@@ -50,7 +50,9 @@ def test_fp16_method_matches_transformers_on_fp16_rounded_weights(
     runner = make_runner(path, quantization="fp16")
     linears = [m for m in runner.model.modules() if isinstance(m, nn.Linear | Fp16Linear)]
     assert all(isinstance(m, Fp16Linear) for m in linears)
-    assert len(linears) == 4 * runner.info.num_layers and runner.model.head is not None
+    # qkv, o, gate_up and down per layer, and the (tied) LM head
+    assert len(linears) == 4 * runner.info.num_layers + 1
+    assert isinstance(runner.model.head, Fp16Linear)
     ref = _fp16_rounded_reference(path)
     pages = Pages()
     seqs = [SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(PROMPTS)]
