@@ -124,10 +124,10 @@ class LlamaForCausalLM(nn.Module):
         }
         for p in self.parameters():
             p.requires_grad_(False)
-        self.head: nn.Module | None = None  # set by quantization: computes the logits
+        self.head: nn.Module | None = None  # set by quantization: computes tied logits
 
     def set_lm_head(self, head: nn.Module) -> None:
-        """Compute logits with ``head`` (a converted linear) instead of the weight."""
+        """Compute logits with ``head`` (a converted linear) instead of the tied weight."""
         self.head = head
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -145,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x)
         if self.head is not None:
             return self.head(x).float()
+        if not self.tied:  # nn.Linear, or what a linear method converted it into
+            return self.lm_head(x).float()
         return F.linear(x, self.lm_head_weight()).float()
 
     # Loading: parameters may sit on the meta device until their first tensor arrives,

@@ -42,17 +42,17 @@ def _fp16_rounded_reference(path: Path) -> Any:
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("llama", False), ("qwen2", True)])
 def test_fp16_method_matches_transformers_on_fp16_rounded_weights(
-    arch: str, tiny_model_factory: Callable[..., Path]
+    arch: str, tied: bool, tiny_model_factory: Callable[..., Path]
 ) -> None:
-    path = tiny_model_factory(arch)
+    path = tiny_model_factory(arch, tie_word_embeddings=tied)
     runner = make_runner(path, quantization="fp16")
     linears = [m for m in runner.model.modules() if isinstance(m, nn.Linear | Fp16Linear)]
     assert all(isinstance(m, Fp16Linear) for m in linears)
-    # qkv, o, gate_up and down per layer, and the (tied) LM head
+    # qkv, o, gate_up and down per layer, and the LM head (tied: the embedding's copy)
     assert len(linears) == 4 * runner.info.num_layers + 1
-    assert isinstance(runner.model.head, Fp16Linear)
+    assert isinstance(runner.model.head if tied else runner.model.lm_head, Fp16Linear)
     ref = _fp16_rounded_reference(path)
     pages = Pages()
     seqs = [SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(PROMPTS)]
