@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from actorlm.config import ModelConfig
+from actorlm.extensions.plugins import current_platform
 from actorlm.gpu.loaders.base import model_path
 from actorlm.gpu.runner import ModelRunner
 from actorlm.messages.sampling import SamplingParams
@@ -52,6 +53,11 @@ def parse_args() -> argparse.Namespace:
         default="fp16",
         help="actorlm linear methods to run, comma-separated (none = plain fp32 weights)",
     )
+    p.add_argument(
+        "--attention-backend",
+        default="",
+        help="actorlm attention backend (default: the platform's)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--skip-transformers", action="store_true", help="only actorlm")
     p.add_argument("--out", default="bench/results/forward.json", help="raw results (JSON)")
@@ -64,9 +70,15 @@ def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, path: str, threads: int, num_pages: int, quantization: str) -> None:
+    def __init__(
+        self, path: str, threads: int, num_pages: int, quantization: str, attention: str
+    ) -> None:
         cfg = ModelConfig(
-            path=path, num_threads=threads, num_pages=num_pages, quantization=quantization
+            path=path,
+            num_threads=threads,
+            num_pages=num_pages,
+            quantization=quantization,
+            attention_backend=attention,
         )
         self.runner = ModelRunner(cfg)
         self.step = 0
@@ -207,13 +219,16 @@ def main() -> None:
         + 1
     )
     engines: dict[str, Any] = {
-        f"actorlm {q}": Ours(str(path), args.threads, pages, q)
+        f"actorlm {q}": Ours(str(path), args.threads, pages, q, args.attention_backend)
         for q in args.quantization.split(",")
     }
-    vocab = next(iter(engines.values())).runner.info.vocab_size
+    first = next(iter(engines.values()))
+    vocab = first.runner.info.vocab_size
     results: dict[str, Any] = {
         "model": str(path),
         "threads": torch.get_num_threads(),
+        "attention_backend": first.runner.cfg.attention_backend
+        or current_platform().default_attention_backend(),
         "machine": platform.processor() or platform.machine(),
         "args": vars(args),
     }

@@ -142,6 +142,11 @@ class CpuPlatform(Platform):
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def default_attention_backend(self) -> str:
+        # torch, with decodes in a C kernel over the pages (falls back to torch's own
+        # decode where no C compiler is found)
+        return "cpu"
+
     def default_quantization(self, dtype: str) -> str:
         # fbgemm's fp16-weight GEMM with fp32 activations: decode moves half the bytes
         # of fp32 through a kernel tuned for its small batches (bench/forward.py).

@@ -65,15 +65,33 @@ class NoQuantization(LinearMethod):
 
 
 class Fp16Linear(nn.Module):
-    """fp16 weights packed for fbgemm; fp32 in, fp32 out."""
+    """fp16 weights packed for fbgemm; fp32 in, fp32 out.
+
+    A very wide layer (an LM head over a 50k vocabulary) is packed as shards of
+    ``SHARD_ROWS`` output rows whose results are concatenated: fbgemm's fp16 GEMM
+    runs ~1.5x faster on 4096-wide shards than on one 49152-wide weight at decode's
+    batch sizes (bench: 21.7 → 14.1 ms at M=32 for SmolLM2's head).
+    """
+
+    SHARD_ROWS: ClassVar[int] = 4096
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
+        w = weight.float()
         b = None if bias is None else bias.float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), b)
+        rows = self.SHARD_ROWS if w.shape[0] >= 3 * self.SHARD_ROWS else w.shape[0]
+        self.shards = [
+            torch.ops.quantized.linear_prepack_fp16(
+                w[i : i + rows].contiguous(), None if b is None else b[i : i + rows].contiguous()
+            )
+            for i in range(0, w.shape[0], rows)
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        if len(self.shards) == 1:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.shards[0])
+        outs = [torch.ops.quantized.linear_dynamic_fp16(x, s) for s in self.shards]
+        return torch.cat(outs, dim=-1)
 
 
 class Fp16Method(LinearMethod):

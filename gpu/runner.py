@@ -16,7 +16,7 @@ from actorlm.extensions.points import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from actorlm.extensions.registry import import_object
 from actorlm.messages.step import ForwardBatch, StepResult
 
-from .attention import DEFAULT_BACKEND
+from . import attention  # noqa: F401  (registers the built-in backends)
 from .forward_meta import ForwardMeta, SeqSpec
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
@@ -67,7 +67,9 @@ class ModelRunner:
             cfg.page_size,
             self.pool.nbytes / 2**20,
         )
-        backend_cls = ATTENTION_BACKENDS.get(cfg.attention_backend or DEFAULT_BACKEND)
+        backend_cls = ATTENTION_BACKENDS.get(
+            cfg.attention_backend or current_platform().default_attention_backend()
+        )
         self.backend = backend_cls(self.pool, info.num_heads, info.head_dim)
         self.info: ModelInfo = msgspec.structs.replace(
             info,

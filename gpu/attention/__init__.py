@@ -3,14 +3,17 @@ and GPU-only code is imported only when asked for."""
 
 from actorlm.extensions.points import ATTENTION_BACKENDS
 
-__all__ = ["DEFAULT_BACKEND"]
-
-DEFAULT_BACKEND = "torch"
+__all__: list[str] = []
 
 ATTENTION_BACKENDS.register_builtin(
     "torch",
     "actorlm.gpu.attention.torch_native:TorchNativeBackend",
     help="pure PyTorch, any device",
+)
+ATTENTION_BACKENDS.register_builtin(
+    "cpu",
+    "actorlm.gpu.attention.cpu:CpuBackend",
+    help="torch, with decodes in a C kernel over the KV pages (the CPU default)",
 )
 ATTENTION_BACKENDS.register_builtin(
     "flashinfer", "actorlm.gpu.attention.cuda:FlashInferBackend", help="CUDA only (flashinfer)"

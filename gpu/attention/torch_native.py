@@ -43,9 +43,12 @@ class _Prefill:
 class _Decode:
     rows: slice | torch.Tensor  # where the group's tokens sit in the packed batch
     batch: int
-    gather_rows: torch.Tensor  # [2 * Hkv * B * P] rows of KVPool.page_rows; pad = page 0
-    mask: torch.Tensor | None  # [B, 1, 1, P * page_size] bool; None when no padding
-    key_len: int  # P * page_size, trimmed to the longest sequence
+    table: np.ndarray  # [B, P] page ids, padded with page 0
+    seq_lens: list[int]  # tokens each sequence attends to
+    key_len: int  # the longest sequence
+    gather_rows: torch.Tensor | None = None  # [2 * Hkv * B * P] rows of KVPool.page_rows
+    mask: torch.Tensor | None = None  # [B, 1, 1, key_len] bool; None when no padding
+    kernel_args: tuple[torch.Tensor, ...] = ()  # what a subclass's decode kernel reads
 
 
 @dataclass
@@ -73,11 +76,6 @@ class TorchNativeBackend(AttentionBackend):
             for b, i in enumerate(decode_idx):
                 pages = meta.page_tables[i][: -(-seq_lens[b] // ps)]
                 table[b, : len(pages)] = pages
-            lens = torch.tensor(seq_lens)
-            mask = None
-            if min(seq_lens) != max_len:
-                mask = (torch.arange(max_len) < lens[:, None]).view(len(decode_idx), 1, 1, max_len)
-                mask = mask.to(device)
             rows_list = [meta.row_starts[i] for i in decode_idx]
             contiguous = rows_list == list(range(rows_list[0], rows_list[0] + len(rows_list)))
             rows: slice | torch.Tensor = (
@@ -85,12 +83,7 @@ class TorchNativeBackend(AttentionBackend):
                 if contiguous
                 else torch.tensor(rows_list, dtype=torch.long, device=device)
             )
-            # K then V, head by head, sequence by sequence: (kv * Hkv + h) * pages + page
-            offsets = np.arange(2 * self.num_kv_heads, dtype=np.int64) * self.pool.num_pages
-            gather = (offsets[:, None] + table.reshape(1, -1)).reshape(-1)
-            decode = _Decode(
-                rows, len(decode_idx), torch.from_numpy(gather).to(device), mask, max_len
-            )
+            decode = self._plan_decode(_Decode(rows, len(decode_idx), table, seq_lens, max_len))
         prefills = []
         for i, n in enumerate(meta.extend_lens):
             if n == 1:
@@ -112,6 +105,19 @@ class TorchNativeBackend(AttentionBackend):
             decode is None and len(prefills) == 1
         )
         meta.attn = _Plan(decode, prefills, whole)
+
+    def _plan_decode(self, d: _Decode) -> _Decode:
+        """Add the gather rows and the padding mask ``_decode`` uses."""
+        device = self.pool.device
+        # K then V, head by head, sequence by sequence: (kv * Hkv + h) * pages + page
+        offsets = np.arange(2 * self.num_kv_heads, dtype=np.int64) * self.pool.num_pages
+        gather = (offsets[:, None] + d.table.reshape(1, -1)).reshape(-1)
+        d.gather_rows = torch.from_numpy(gather).to(device)
+        if min(d.seq_lens) != d.key_len:
+            lens = torch.tensor(d.seq_lens)
+            mask = torch.arange(d.key_len) < lens[:, None]
+            d.mask = mask.view(d.batch, 1, 1, d.key_len).to(device)
+        return d
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: ForwardMeta
@@ -138,6 +144,7 @@ class TorchNativeBackend(AttentionBackend):
         B, Hkv, D = d.batch, self.num_kv_heads, self.head_dim
         qd = q[d.rows].view(B, Hkv, -1, D)  # [B, Hkv, G, D]: the G heads of a group as G queries
         rows = self.pool.page_rows(layer)
+        assert d.gather_rows is not None
         # Into a buffer reused by every layer and step: a fresh multi-MB tensor per
         # layer costs more in page faults than the copy itself.
         out_rows = self._scratch(d.gather_rows.numel() * rows.shape[1], rows)

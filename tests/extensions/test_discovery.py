@@ -202,7 +202,7 @@ def test_registrations_and_hooks_are_attributed_and_applied(site: Path, tmp_path
             "status": "applied",
         }
     ]
-    assert out["attention"] == "alpha-torch"
+    assert out["attention"] == "alpha-cpu"
 
 
 def test_empty_allowlist_loads_nothing(site: Path, tmp_path: Path) -> None:
@@ -277,12 +277,12 @@ def test_cpu_platform_describes_this_machine() -> None:
     platform = CpuPlatform()
     assert platform.total_memory() > platform.memory_usage() > 0
     assert platform.device_name() and platform.torch_device() == torch.device("cpu")
-    assert platform.default_attention_backend() == "torch" and not platform.supports_graphs()
+    assert platform.default_attention_backend() == "cpu" and not platform.supports_graphs()
     assert platform.distributed_backend == "gloo"
     assert platform.kv_pool_class == "actorlm.gpu.kv_pool:KVPool"
     unset = EngineConfig(model=ModelConfig(device="", attention_backend="", page_size=0))
     model = platform.adjust_defaults(unset).model
-    assert (model.device, model.attention_backend, model.page_size) == ("cpu", "torch", 16)
+    assert (model.device, model.attention_backend, model.page_size) == ("cpu", "cpu", 16)
     assert model.quantization == "fp16"
     chosen = EngineConfig(
         model=ModelConfig(device="cpu", attention_backend="x", page_size=4, quantization="none")

@@ -1,5 +1,6 @@
-"""Ragged paged batches through the torch attention backend: mixing fresh prefills,
-prefix extensions and decodes must not change any sequence's result."""
+"""Ragged paged batches through the CPU attention backends (torch, and cpu with its C
+decode kernel): mixing fresh prefills, prefix extensions and decodes must not change
+any sequence's result."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ PROMPT_C = [1000, 2000, 3000, 17]
 STEPS = 10
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama: Path) -> ModelRunner:
-    return make_runner(tiny_llama, num_pages=512)
+@pytest.fixture(scope="module", params=["torch", "cpu"])
+def runner(request: pytest.FixtureRequest, tiny_llama: Path) -> ModelRunner:
+    return make_runner(tiny_llama, num_pages=512, attention_backend=request.param)
 
 
 def test_ragged_batch_gives_same_tokens_as_each_request_alone(runner: ModelRunner) -> None:
@@ -118,5 +119,5 @@ def test_cuda_backends_refuse_cpu_clearly(name: str) -> None:
 
 
 def test_unknown_backend_lists_known(tiny_llama: Path) -> None:
-    with pytest.raises(UnknownNameError, match="known: flashinfer, torch, triton"):
+    with pytest.raises(UnknownNameError, match="known: cpu, flashinfer, torch, triton"):
         make_runner(tiny_llama, attention_backend="nope")

@@ -73,6 +73,16 @@ def test_fp16_layer_is_plain_math_on_fp16_rounded_weights() -> None:
     assert (got - F.linear(x, w, b)).abs().max().item() > 0  # it did round
 
 
+def test_fp16_wide_layer_is_sharded_and_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Fp16Linear, "SHARD_ROWS", 64)
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 48), torch.randn(300)  # shards of 64 rows, the last one 44
+    x = torch.randn(5, 48)
+    layer = Fp16Linear(w, b)
+    assert len(layer.shards) == 5
+    assert (layer(x) - F.linear(x, w.half().float(), b)).abs().max().item() < 1e-4
+
+
 def test_registry_checks_and_platform_default(tiny_llama: Path) -> None:
     assert {"none", "fp16"} <= set(QUANTIZATION_METHODS.names())
     with pytest.raises(UnknownNameError, match="known: .*fp16"):

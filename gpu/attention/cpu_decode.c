@@ -1,0 +1,155 @@
+/* Decode attention straight from the paged KV pool, fp32, for x86 and ARM CPUs.
+ *
+ * One new query token per sequence. Work splits over (sequence, KV head); each
+ * task reads its keys and values once, page by page where they lie (no gather
+ * copy), and serves the G query heads that share that KV head (GQA) from the
+ * same reads. Softmax runs over the whole context in two passes: scores, then
+ * the weighted sum of values. Built by actorlm/gpu/native.py with -O3 and
+ * OpenMP, whose runtime is the one PyTorch already loaded.
+ *
+ * GCC/Clang vector extensions (8 floats) keep the inner loops vectorized on any
+ * target without intrinsics; head sizes that are not a multiple of 8 take the
+ * scalar loops.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+static inline float hsum(v8f v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+    int64_t i = 0;
+    if (n % 8 == 0) {
+        v8f acc = {0};
+        for (; i < n; i += 8) acc += *(const v8f *)(a + i) * *(const v8f *)(b + i);
+        return hsum(acc);
+    }
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float p, const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+    if (n % 8 == 0) {
+        for (; i < n; i += 8) *(v8f *)(y + i) += p * *(const v8f *)(x + i);
+        return;
+    }
+    for (; i < n; i++) y[i] += p * x[i];
+}
+
+/* exp(x) for x <= 0, 8 at a time: 2^n * P(r) with x = n ln2 + r, |r| <= ln2 / 2
+   (Cephes' expf polynomial, ~2 ulp); x below -87 gives exp(-87) ~ 1.6e-38. */
+static inline v8f exp8(v8f x) {
+    const v8f lo = x * 0.f - 87.f;
+    const v8i below = x < lo; /* all ones where true */
+    x = (v8f)(((v8i)x & ~below) | ((v8i)lo & below));
+    const v8f magic = x * 0.f + 12582912.f; /* 1.5 * 2^23: adding rounds to an integer */
+    v8f n = (x * 1.44269504088896341f + magic) - magic;
+    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+
+/* s[0..n) = exp(s - m); returns their sum */
+static float exp_sum(float *s, int64_t n, float m) {
+    float sum = 0.f;
+    int64_t i = 0;
+    v8f acc = {0};
+    for (; i + 8 <= n; i += 8) {
+        v8f e = exp8(*(v8f *)(s + i) - m);
+        *(v8f *)(s + i) = e;
+        acc += e;
+    }
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum + hsum(acc);
+}
+
+static inline void prefetch(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 2);
+}
+
+/* One (sequence, KV head): scores [G, len] is this thread's scratch, acc [G, D]. */
+static void attend(const float *q, const float *k, const float *v, const int64_t *table,
+                   int64_t len, int64_t G, int64_t D, int64_t page_size, float scale,
+                   float *scores, float *acc, float *out) {
+    const int64_t page_floats = page_size * D;
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+        const int64_t page = table[t0 / page_size];
+        const float *kp = k + page * page_floats;
+        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        /* pages lie anywhere, beyond the hardware prefetcher's reach: ask for the
+           next page of K, and this page of V for pass 2, before computing */
+        if (t0 + page_size < len) prefetch(k + table[t0 / page_size + 1] * page_floats, page_floats);
+        prefetch(v + page * page_floats, n * D);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t g = 0; g < G; g++)
+                scores[g * len + t0 + i] = dot(q + g * D, kp + i * D, D) * scale;
+    }
+    float inv_sum[G];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * len, m = -INFINITY;
+        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        inv_sum[g] = 1.f / exp_sum(sg, len, m);
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+        const float *vp = v + table[t0 / page_size] * page_size * D;
+        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t g = 0; g < G; g++)
+                axpy(scores[g * len + t0 + i], vp + i * D, acc + g * D, D);
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv_sum[g];
+}
+
+/*
+ * q        [B, H, D] at q + b * q_stride_b + head * D (head = kv_head * G + g)
+ * k, v     [Hkv, num_pages, page_size, D] contiguous: this layer's pool
+ * pages    [B, table_stride] page ids; seq_lens [B] tokens to attend to (>= 1)
+ * out      [B, H * D] contiguous
+ * Returns 0, or -1 when a thread could not allocate its scratch.
+ */
+int actorlm_paged_decode(const float *q, int64_t q_stride_b, const float *k, const float *v,
+                         int64_t num_pages, const int64_t *pages, int64_t table_stride,
+                         const int64_t *seq_lens, float *out, int64_t B, int64_t Hkv, int64_t G,
+                         int64_t D, int64_t page_size, int64_t max_len, float scale) {
+    int failed = 0;
+    const int64_t head_stride = num_pages * page_size * D;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(max_len * G + 8));
+        float *acc = malloc(sizeof(float) * (size_t)(G * D));
+        if (scores == NULL || acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (scores == NULL || acc == NULL) continue;
+                attend(q + b * q_stride_b + h * G * D, k + h * head_stride, v + h * head_stride,
+                       pages + b * table_stride, seq_lens[b], G, D, page_size, scale, scores,
+                       acc, out + (b * Hkv + h) * G * D);
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}

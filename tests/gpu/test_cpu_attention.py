@@ -1,0 +1,98 @@
+"""The cpu backend's C decode kernel against the torch backend's SDPA, and its fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from actorlm.gpu import native
+from actorlm.gpu.attention.cpu import CpuBackend, decode_kernel
+from actorlm.gpu.attention.torch_native import TorchNativeBackend
+from actorlm.gpu.forward_meta import ForwardMeta, SeqSpec
+from actorlm.gpu.kv_pool import KVPool
+
+
+def decode_batch(
+    lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, scale_q: float = 1.0
+) -> tuple[KVPool, ForwardMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step over a pool of random K/V whose pages are handed out shuffled."""
+    ps = 16
+    need = [-(-n // ps) for n in lens]
+    pool = KVPool(2, sum(need) + 3, ps, kv_heads, dim, dtype)
+    pool.kv.normal_()
+    pages = list(range(pool.num_pages))
+    random.Random(0).shuffle(pages)
+    seqs, at = [], 0
+    for n, k in zip(lens, need, strict=True):
+        seqs.append(SeqSpec([1], n - 1, pages[at : at + k]))
+        at += k
+    meta = ForwardMeta.build(seqs, ps)
+    B = len(lens)
+    # q as the model hands it over: the first H heads of a [B, H + Hkv, D] RoPE output
+    q = (torch.randn(B, heads + kv_heads, dim) * scale_q)[:, :heads].to(dtype)
+    k, v = torch.randn(B, kv_heads, dim).to(dtype), torch.randn(B, kv_heads, dim).to(dtype)
+    return pool, meta, q, k, v
+
+
+def both(
+    pool: KVPool, meta: ForwardMeta, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, CpuBackend]:
+    dim = q.shape[-1]
+    ref, ours = TorchNativeBackend(pool, heads, dim), CpuBackend(pool, heads, dim)
+    ref.init_forward_metadata(meta)
+    want = ref.forward(q, k, v, 1, meta)
+    ours.init_forward_metadata(meta)
+    return want, ours.forward(q, k, v, 1, meta), ours
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (4, 4, 32), (8, 2, 12)],  # GQA; MHA; a head size off the vector path
+)
+def test_kernel_matches_sdpa_on_ragged_paged_decodes(heads: int, kv_heads: int, dim: int) -> None:
+    torch.manual_seed(0)
+    lens = [1, 7, 16, 17, 100, 144, 33]  # one token; page edges; several pages
+    pool, meta, q, k, v = decode_batch(lens, heads, kv_heads, dim, torch.float32)
+    want, got, ours = both(pool, meta, q, k, v, heads)
+    assert ours._kernel is not None, "the C kernel should build on this machine"
+    assert got.shape == (len(lens), heads * dim)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_kernel_softmax_is_exact_on_peaked_and_long_contexts() -> None:
+    torch.manual_seed(1)
+    # large scores (|q.k| in the hundreds): exp underflows for most keys, and a long context
+    pool, meta, q, k, v = decode_batch([1000, 3, 513], 6, 2, 64, torch.float32, scale_q=30.0)
+    want, got, _ = both(pool, meta, q, k, v, 6)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_other_dtypes_take_the_torch_path() -> None:
+    torch.manual_seed(2)
+    pool, meta, q, k, v = decode_batch([5, 40], 4, 2, 16, torch.bfloat16)
+    want, got, ours = both(pool, meta, q, k, v, 4)
+    assert ours._kernel is None
+    assert torch.equal(got, want)
+
+
+def test_build_failure_and_opt_out_fall_back_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = Path(native.__file__).parent / "attention" / "cpu_decode.c"
+    build = native.load.__wrapped__  # the uncached builder
+    monkeypatch.setenv("ACTORLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ACTORLM_NATIVE", "0")
+    assert build(source) is None
+    monkeypatch.setenv("ACTORLM_NATIVE", "1")
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    with caplog.at_level(logging.WARNING):
+        assert build(source) is None
+    assert "falling back to PyTorch" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written is left
+    monkeypatch.delenv("CC")
+    lib = build(source)  # a fresh cache directory builds it again
+    assert lib is not None and len(list((tmp_path / "kernels").glob("*.so"))) == 1
+    assert decode_kernel() is not None
