@@ -42,6 +42,7 @@ class CacheManagerActor(Actor):
         self.model_id = storage_model_id(self.config)
         self._stored: set[str] = set()  # keys known to be in storage
         self.storage_hits = 0
+        self.prefix_waits = 0  # admissions put off to share a prefix being computed
 
     def _new_cache(self) -> KVCacheManager:
         model, cache = self.config.model, self.config.cache
@@ -61,7 +62,11 @@ class CacheManagerActor(Actor):
         }
 
     def stats(self) -> dict[str, Any]:
-        return {**self.kv.stats(), "storage_hit_pages": self.storage_hits}
+        return {
+            **self.kv.stats(),
+            "storage_hit_pages": self.storage_hits,
+            "prefix_waits": self.prefix_waits,
+        }
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role == "worker":
@@ -111,6 +116,11 @@ class CacheManagerActor(Actor):
         admitted: list[Admitted] = []
         loads: list[PageIO] = []
         for op in admits:
+            if kv.waits_for(op.token_ids) is not None:
+                # a running request is computing the prefix this prompt shares: admit it
+                # once that prefix is cached instead of computing it twice
+                self.prefix_waits += 1
+                continue
             got = kv.admit(op.rid, op.token_ids, op.extra_pages, priority=op.priority)
             if got is None:
                 break

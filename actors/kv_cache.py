@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from .allocator import PageAllocator
 from .eviction import EvictionStrategy, make_strategy
 from .radix import InsertResult, RadixTree, TreeNode
@@ -39,6 +41,7 @@ class _Request:
     num_shared: int  # leading pages owned by the tree (locked via lock_node)
     lock_node: TreeNode | None
     priority: int
+    computing: tuple[int, ...] | None = None  # its key in KVCacheManager._computing
 
 
 class KVCacheManager:
@@ -56,12 +59,17 @@ class KVCacheManager:
         *,
         enable_prefix_cache: bool = True,
         policy: str | EvictionStrategy = "lru",
+        wait_min_tokens: int = 32,
     ) -> None:
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
         self.tree = RadixTree(page_size, make_strategy(policy))
         self._requests: dict[str, _Request] = {}
+        # Prompts admitted but not yet in the tree (no cache_prefix yet), by their first
+        # page of tokens: what ``waits_for`` compares a new prompt with.
+        self.wait_min_tokens = max(wait_min_tokens, page_size)
+        self._computing: dict[tuple[int, ...], dict[str, np.ndarray]] = {}
 
     # ---- per-request operations --------------------------------------------
 
@@ -99,7 +107,35 @@ class KVCacheManager:
             self.tree.record_lookup(len(token_ids), len(shared) * self.page_size)
         pages = shared + fresh
         self._requests[rid] = _Request(pages, len(shared), node, priority)
+        if self.enable_prefix_cache and len(token_ids) > self.page_size:
+            key = tuple(token_ids[: self.page_size])
+            self._computing.setdefault(key, {})[rid] = np.asarray(token_ids, dtype=np.int64)
+            self._requests[rid].computing = key
         return Admission(len(shared) * self.page_size, list(pages))
+
+    def waits_for(self, token_ids: Sequence[int]) -> str | None:
+        """The running request still computing a prefix this prompt shares, if any.
+
+        SGLang's in-batch prefix caching: when prompts sharing an uncached prefix
+        (a system prompt, a few-shot block) arrive together, admitting them all
+        computes that prefix once per prompt. A prompt that shares at least
+        ``wait_min_tokens`` tokens of full pages beyond what the tree holds with a
+        prompt admitted but not yet cached should wait: once that one's prefill is
+        in the tree (``cache_prefix``), this one's admission matches it.
+        """
+        ps = self.page_size
+        group = self._computing.get(tuple(token_ids[:ps])) if self.enable_prefix_cache else None
+        if not group:
+            return None
+        cached = self.tree.match_prefix(token_ids[:-1], touch=False).num_tokens
+        ids = np.asarray(token_ids[:-1], dtype=np.int64)  # the last token is always computed
+        for rid, other in group.items():
+            n = min(len(ids), len(other))
+            differ = np.flatnonzero(ids[:n] != other[:n])
+            common = int(differ[0]) if differ.size else n
+            if common // ps * ps - cached >= self.wait_min_tokens:
+                return rid
+        return None
 
     def extend(self, rid: str, num_pages: int) -> list[int] | None:
         """Append ``num_pages`` fresh pages to the request (evicting if needed), or None."""
@@ -122,6 +158,7 @@ class KVCacheManager:
         req = self._requests[rid]
         if not self.enable_prefix_cache:
             return list(req.pages)
+        self._computed(rid, req)
         result = self._insert(req, token_ids)
         if result is None:
             return list(req.pages)
@@ -141,6 +178,7 @@ class KVCacheManager:
         prompt plus every output token but the last, which was never fed back).
         """
         req = self._requests[rid]
+        self._computed(rid, req)
         adopted: set[int] = set()
         result = self._insert(req, token_ids) if cache and self.enable_prefix_cache else None
         if result is not None:
@@ -158,6 +196,7 @@ class KVCacheManager:
         req = self._requests.pop(rid, None)
         if req is None:
             return False
+        self._computed(rid, req)
         self._drop(req, set())
         return True
 
@@ -214,6 +253,8 @@ class KVCacheManager:
         assert not free & cached and not free & private and not cached & private
         total = len(free) + len(private) + len(cached)
         assert total == self.allocator.num_pages, (len(free), len(private), len(cached))
+        for key, group in self._computing.items():
+            assert group and all(self._requests[r].computing == key for r in group), key
         top = sum(c.lock_ref for c in self.tree.root.children.values())
         assert top == locks, f"{top} references on the tree, {locks} held by requests"
 
@@ -227,6 +268,16 @@ class KVCacheManager:
                 return None  # fail before evicting: a refused admission changes nothing
             self.allocator.free(self.tree.evict(short))
         return self.allocator.alloc(n)
+
+    def _computed(self, rid: str, req: _Request) -> None:
+        """The request's prompt is in the tree, or never will be: nobody waits for it."""
+        if req.computing is None:
+            return
+        group = self._computing[req.computing]
+        del group[rid]
+        if not group:
+            del self._computing[req.computing]
+        req.computing = None
 
     def _insert(self, req: _Request, token_ids: Sequence[int]) -> InsertResult | None:
         """Insert the request's full pages beyond its cached prefix; None if there are none."""

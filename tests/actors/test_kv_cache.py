@@ -238,3 +238,37 @@ def _run_workload(
         kv.release(rid)
     kv.flush()
     assert kv.stats()["pages_free"] == 10
+
+
+def test_a_prompt_waits_for_a_shared_prefix_being_computed() -> None:
+    kv = KVCacheManager(64, PS, wait_min_tokens=4)
+    system = list(range(100, 110))  # 10 tokens: 5 pages
+    assert kv.admit("a", [*system, 1, 2]) is not None
+    assert kv.waits_for([*system, 3, 4, 5]) == "a"  # 10 shared tokens, none cached
+    assert kv.waits_for([*system[:3], 7, 7, 7, 7]) is None  # 2 shared: below the threshold
+    assert kv.waits_for([9, *system]) is None  # a different first page
+    kv.check_invariants()
+    kv.cache_prefix("a", [*system, 1, 2])  # a's prefill is done and cached
+    assert kv.waits_for([*system, 3, 4, 5]) is None
+    b = kv.admit("b", [*system, 3, 4, 5])
+    assert b is not None and b.cached_len == 10
+    # b computes only its own tail: nothing there for a third prompt to wait for
+    assert kv.waits_for([*system, 3, 4, 6, 6]) is None
+    kv.check_invariants()
+
+
+def test_nobody_waits_for_a_finished_or_released_prompt() -> None:
+    kv = KVCacheManager(64, PS, wait_min_tokens=4)
+    prompt = list(range(100, 112))
+    for end in ("finish", "release"):
+        kv.admit("a", prompt)
+        assert kv.waits_for(prompt) == "a"
+        if end == "finish":
+            kv.finish("a", prompt, cache=False)
+        else:
+            kv.release("a")
+        assert kv.waits_for(prompt) is None
+        kv.check_invariants()
+    disabled = KVCacheManager(64, PS, enable_prefix_cache=False, wait_min_tokens=4)
+    disabled.admit("a", prompt)
+    assert disabled.waits_for(prompt) is None  # nothing would be shared anyway

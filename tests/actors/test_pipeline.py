@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from actorlm import Engine
@@ -103,6 +104,30 @@ def test_shared_prefix_is_served_from_cache(engine: Engine) -> None:
     assert warm.usage.cached_tokens >= 160
     other = engine.generate(prefix + [5, 6, 7], greedy(4))
     assert other.usage.cached_tokens >= 144
+
+
+def test_prompts_arriving_together_compute_their_shared_prefix_once(engine: Engine) -> None:
+    rng = random.Random(5)
+    prefix = [rng.randrange(100, 49000) for _ in range(192)]  # 12 pages
+    prompts = [prefix + [rng.randrange(100, 49000) for _ in range(5)] for _ in range(4)]
+    alone = [engine.generate(p, greedy(4)).token_ids for p in prompts]
+    assert engine.flush_cache()
+    before = engine.stats()
+
+    long_prompt = [1000 + i for i in range(1200)]  # keeps the steps busy while all 4 arrive
+
+    async def together() -> list[Any]:
+        jobs = [engine.agenerate(long_prompt, greedy(1))]
+        jobs += [engine.agenerate(p, greedy(4)) for p in prompts]
+        return list(await asyncio.gather(*jobs))[1:]
+
+    outs = asyncio.run(together())
+    after = engine.stats()
+    assert [o.token_ids for o in outs] == alone
+    computed = after["scheduler"]["prefill_tokens"] - before["scheduler"]["prefill_tokens"]
+    # the prefix once, then each prompt's own tail
+    assert computed == len(long_prompt) + len(prefix) + 4 * 5
+    assert sorted(o.usage.cached_tokens for o in outs) == [0, 192, 192, 192]
 
 
 def test_aborts_mid_prefill_and_mid_decode_return_every_page(engine: Engine) -> None:
