@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
+    "DEFAULT_MAX_PREFILL_TOKENS",
     "CacheConfig",
     "DeployConfig",
     "EngineConfig",
@@ -14,6 +15,10 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
 ]
+
+
+# The per-step prefill budget where neither the user nor a platform chose one.
+DEFAULT_MAX_PREFILL_TOKENS = 2048
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,7 +40,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = "fcfs"  # fcfs | lpm | priority
     max_running_requests: int = 64
-    max_prefill_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_prefill_tokens: int = 0  # per-step token budget (chunked prefill); 0 = the platform's
     max_queued_requests: int = 1024
     step_timeout_s: float = 300.0
 

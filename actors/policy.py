@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..config import SchedulerConfig
+from ..config import DEFAULT_MAX_PREFILL_TOKENS, SchedulerConfig
 from ..messages.cache import AdmitOp, CacheStep, CacheStepResult, CommitOp, ExtendOp, FinishOp
 from ..messages.generate import TokenDelta, TokenizedRequest
 from ..messages.step import ForwardBatch, PageIO, SeqInit, SeqStep, StepResult, TopLogprob
@@ -63,6 +63,8 @@ class BatchPlanner:
                 f"unknown scheduling policy {cfg.policy!r}; known: {', '.join(POLICIES)}"
             )
         self.cfg = cfg
+        # 0 until a platform fills it in (resolve_config); a bare config gets the default
+        self.prefill_budget = cfg.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len
@@ -164,7 +166,7 @@ class BatchPlanner:
         if self._hold_admission and self.running:
             slots = 0
         if slots > 0 and self.waiting:
-            budget = 4 * self.cfg.max_prefill_tokens
+            budget = 4 * self.prefill_budget
             for req in self._candidates(slots):
                 if admits and budget <= 0:
                     break
@@ -225,7 +227,7 @@ class BatchPlanner:
         self._hold_admission = True
 
     def build_batch(self, step_id: int) -> ForwardBatch:
-        budget = self.cfg.max_prefill_tokens
+        budget = self.prefill_budget
         seqs: list[SeqStep] = []
         decodes = [r for r in self.running.values() if len(r.ids) - r.computed == 1]
         prefills = [r for r in self.running.values() if len(r.ids) - r.computed > 1]

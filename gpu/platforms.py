@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from ..config import DEFAULT_MAX_PREFILL_TOKENS
+
 if TYPE_CHECKING:
     import torch
 
@@ -77,6 +79,10 @@ class Platform:
     def default_quantization(self, dtype: str) -> str:
         return "none"
 
+    def default_max_prefill_tokens(self) -> int:
+        """The scheduler's per-step token budget (chunked prefill) when the user sets none."""
+        return DEFAULT_MAX_PREFILL_TOKENS
+
     def supports_graphs(self) -> bool:
         """Whether decode steps can be captured as device graphs (CUDA graphs)."""
         return False
@@ -93,9 +99,16 @@ class Platform:
             changes["quantization"] = self.default_quantization(model.dtype)
         if model.page_size <= 0:
             changes["page_size"] = self.page_size
-        if not changes:
+        scheduler = config.scheduler
+        if scheduler.max_prefill_tokens <= 0:
+            scheduler = msgspec.structs.replace(
+                scheduler, max_prefill_tokens=self.default_max_prefill_tokens()
+            )
+        if not changes and scheduler is config.scheduler:
             return config
-        return msgspec.structs.replace(config, model=msgspec.structs.replace(model, **changes))
+        return msgspec.structs.replace(
+            config, model=msgspec.structs.replace(model, **changes), scheduler=scheduler
+        )
 
     def describe(self) -> dict[str, Any]:
         """A summary for ``actorlm plugins`` and ``/get_server_info``."""
@@ -146,6 +159,14 @@ class CpuPlatform(Platform):
         # torch, with decodes in a C kernel over the pages (falls back to torch's own
         # decode where no C compiler is found)
         return "cpu"
+
+    def default_max_prefill_tokens(self) -> int:
+        # A step's prefill chunk should take about the same time on any CPU: on 2 cores
+        # 256 tokens of the default model take ~0.5 s, so a burst of new prompts delays
+        # running decodes (and each other's first token) by that much per step, where
+        # one 2048-token step would stall everything for ~4.5 s (bench/serving.py).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+        return min(DEFAULT_MAX_PREFILL_TOKENS, max(256, 128 * cores))
 
     def default_quantization(self, dtype: str) -> str:
         # fbgemm's fp16-weight GEMM with fp32 activations: decode moves half the bytes

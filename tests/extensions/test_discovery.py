@@ -9,12 +9,13 @@ which is how a test sees that a module was never imported.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from actorlm.config import EngineConfig, ModelConfig
+from actorlm.config import EngineConfig, ModelConfig, SchedulerConfig
 from actorlm.gpu.platforms import CpuPlatform, CudaPlatform
 
 from .distbuilder import run_python, write_distribution
@@ -284,8 +285,12 @@ def test_cpu_platform_describes_this_machine() -> None:
     model = platform.adjust_defaults(unset).model
     assert (model.device, model.attention_backend, model.page_size) == ("cpu", "cpu", 16)
     assert model.quantization == "fp16"
+    cores = len(os.sched_getaffinity(0))
+    budget = platform.adjust_defaults(unset).scheduler.max_prefill_tokens
+    assert budget == min(2048, max(256, 128 * cores))  # ~0.5 s of prefill a step
     chosen = EngineConfig(
-        model=ModelConfig(device="cpu", attention_backend="x", page_size=4, quantization="none")
+        model=ModelConfig(device="cpu", attention_backend="x", page_size=4, quantization="none"),
+        scheduler=SchedulerConfig(max_prefill_tokens=4096),
     )
     assert platform.adjust_defaults(chosen) is chosen  # what the user chose stays
 
