@@ -123,15 +123,17 @@ static void attend(const float *q, const float *k, const float *v, const int64_t
  * k, v     [Hkv, num_pages, page_size, D] contiguous: this layer's pool
  * pages    [B, table_stride] page ids; seq_lens [B] tokens to attend to (>= 1)
  * out      [B, H * D] contiguous
+ * threads  OpenMP threads (torch's setting: worker threads do not inherit it)
  * Returns 0, or -1 when a thread could not allocate its scratch.
  */
 int actorlm_paged_decode(const float *q, int64_t q_stride_b, const float *k, const float *v,
                          int64_t num_pages, const int64_t *pages, int64_t table_stride,
                          const int64_t *seq_lens, float *out, int64_t B, int64_t Hkv, int64_t G,
-                         int64_t D, int64_t page_size, int64_t max_len, float scale) {
+                         int64_t D, int64_t page_size, int64_t max_len, float scale,
+                         int threads) {
     int failed = 0;
     const int64_t head_stride = num_pages * page_size * D;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(max_len * G + 8));
         float *acc = malloc(sizeof(float) * (size_t)(G * D));
