@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from actorlm.config import ModelConfig
-from actorlm.extensions.plugins import current_platform
 from actorlm.gpu.loaders.base import model_path
 from actorlm.gpu.runner import ModelRunner
 from actorlm.messages.sampling import SamplingParams
@@ -227,8 +226,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "model": str(path),
         "threads": torch.get_num_threads(),
-        "attention_backend": first.runner.cfg.attention_backend
-        or current_platform().default_attention_backend(),
+        "attention_backend": first.runner.attention_backend,
         "machine": platform.processor() or platform.machine(),
         "args": vars(args),
     }

@@ -3,8 +3,9 @@
 PyTorch has no paged-attention op for the CPU, and a torch C++ extension takes
 a minute to build; a plain C file with OpenMP builds in about a second with the
 system compiler. The library is cached under ``$ACTORLM_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/actorlm``, or ``~/.cache/actorlm``) by a hash of the source, the flags, the compiler and this
-CPU's feature flags, written atomically so several workers can race to build it.
+``$XDG_CACHE_HOME/actorlm``, or ``~/.cache/actorlm``) by a hash of the source, the
+flags, the compiler and this CPU's feature flags, written atomically so several
+workers can race to build it.
 
 Without a compiler, or with ``ACTORLM_NATIVE=0``, ``load`` returns None and the
 caller keeps its pure-PyTorch path.

@@ -67,9 +67,10 @@ class ModelRunner:
             cfg.page_size,
             self.pool.nbytes / 2**20,
         )
-        backend_cls = ATTENTION_BACKENDS.get(
+        self.attention_backend = (
             cfg.attention_backend or current_platform().default_attention_backend()
         )
+        backend_cls = ATTENTION_BACKENDS.get(self.attention_backend)
         self.backend = backend_cls(self.pool, info.num_heads, info.head_dim)
         self.info: ModelInfo = msgspec.structs.replace(
             info,
