@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,33 @@ from bench.workloads import (  # noqa: E402
     parse_range,
 )
 
-__all__ = ["EngineProcess", "auto_num_prompts", "main", "parse_args"]
+__all__ = ["EngineProcess", "TimeBudget", "auto_num_prompts", "main", "parse_args"]
+
+MIN_LEVEL_S = 60.0  # a level always gets this long, whatever the budget says
+
+
+class TimeBudget:
+    """Spreads ``--time-budget`` over the load levels still to run, so a whole run ends in
+    time however slow an engine is: each level may use ``cap`` seconds and at most an
+    equal share of what is left (never under ``MIN_LEVEL_S``). Levels that end early and
+    engines that are skipped or fail leave more for the rest; start-ups are paid from the total."""
+
+    def __init__(
+        self, total_s: float, levels: int, cap_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
+        self.deadline = clock() + total_s if total_s > 0 else None
+        self.levels_left = levels
+        self.cap_s = cap_s
+
+    def next_level(self) -> float:
+        """The time limit of the next level (which it then counts as run)."""
+        limit = self.cap_s
+        if self.deadline is not None:
+            share = (self.deadline - self._clock()) / max(1, self.levels_left)
+            limit = min(limit, max(MIN_LEVEL_S, share))
+        self.levels_left = max(0, self.levels_left - 1)
+        return limit
 
 
 def auto_num_prompts(concurrency: int | None, rate: float | None) -> int:
@@ -179,7 +206,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--concurrency's first value as a cap unless --max-concurrency 0",
     )
     load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--time-limit", type=float, default=600.0, help="seconds per level")
+    load.add_argument(
+        "--time-limit", type=float, default=600.0, help="at most this many seconds per level"
+    )
+    load.add_argument(
+        "--time-budget",
+        type=float,
+        default=27 * 60.0,
+        help="seconds for the whole run, engine start-ups included, shared among the levels "
+        "still to run (0: no budget, --time-limit alone)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None)
     o.add_argument("--no-plots", action="store_true")
@@ -223,6 +259,7 @@ async def _bench_engine(
     levels: list[tuple[int | None, float | None]],
     encode: Any,
     label: str,
+    budget: TimeBudget,
 ) -> list[dict[str, Any]]:
     import aiohttp
 
@@ -244,6 +281,7 @@ async def _bench_engine(
         n = args.num_prompts or auto_num_prompts(conc, rate)
         wl = workloads[n]
         desc = f"{label} " + (f"rate={rate:g}" if rate else f"c={conc}")
+        limit = budget.next_level()
         run = await run_level(
             url,
             model_id,
@@ -252,7 +290,7 @@ async def _bench_engine(
             concurrency=conc,
             request_rate=rate,
             seed=args.seed,
-            time_limit=args.time_limit,
+            time_limit=limit,
             progress=not args.no_progress,
             desc=desc,
         )
@@ -264,6 +302,7 @@ async def _bench_engine(
                 "concurrency": conc,
                 "request_rate": rate,
                 "num_prompts": n,
+                "time_limit_s": round(limit, 1),
                 "timed_out": run.timed_out,
                 "summary": summary,
                 "requests": [r.to_json(args.keep_text) for r in run.results],
@@ -367,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     logs = out.with_suffix("").with_name(out.stem + "-logs")
+    runs = len(specs) + (1 if args.url else 0)
+    budget = TimeBudget(args.time_budget, runs * len(levels), args.time_limit)
 
     if args.url:
         extra = (lambda n: {}) if args.no_ignore_eos else (lambda n: {"ignore_eos": True})
@@ -376,17 +417,21 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict[str, Any] = {"label": args.url, "note": "", "levels": []}
         data["engines"]["external"] = entry
         entry["levels"] = asyncio.run(
-            _bench_engine(args.url, model_id, extra, args, workloads, levels, encode, "external")
+            _bench_engine(
+                args.url, model_id, extra, args, workloads, levels, encode, "external", budget
+            )
         )
         save()
 
     for spec in specs:
+        left_after = budget.levels_left - len(levels)  # however this engine's run ends
         entry = {"label": spec.label, "note": spec.note, "levels": []}
         data["engines"][spec.name] = entry
         why = spec.missing(files)
         if why:
             print(f"SKIP {why}", flush=True)
             entry["skipped"] = why
+            budget.levels_left -= len(levels)
             save()
             continue
         port = _free_port(args.host, args.port)
@@ -414,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
                 return {} if args.no_ignore_eos else spec.extra_body(n, files)
 
             entry["levels"] = asyncio.run(
-                _bench_engine(url, model_id, extra, args, workloads, levels, encode, spec.label)
+                _bench_engine(
+                    url, model_id, extra, args, workloads, levels, encode, spec.label, budget
+                )
             )
         except Exception as e:  # noqa: BLE001 - one engine's failure must not stop the others
             entry["skipped"] = f"{type(e).__name__}: {e}"
@@ -425,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.stop()
             running.remove(proc)
+            budget.levels_left = left_after
         save()
 
     save()
