@@ -281,6 +281,11 @@ class Launcher:
             task.cancel()
         self._supervisor.stop()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients:
+            # Attached clients share our ZMQ context, whose term() waits for every socket:
+            # one still open (a gateway stopped while its actors were starting) hangs it.
+            client.stop()
+            client.close()
         self.transport.close()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -389,21 +394,30 @@ class Launcher:
 
     async def _wait_ready(self, members: list[_Member], timeout: float) -> None:
         async def one(member: _Member) -> None:
-            waiter = asyncio.create_task(member.ready.wait())
-            while not waiter.done():
-                await asyncio.wait({waiter}, timeout=0.1)
+            while not member.ready.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(member.ready.wait(), 0.1)
                 died = (member.process is not None and member.process.poll() is not None) or (
                     member.task is not None and member.task.done()
                 )
-                if died and not waiter.done():
-                    waiter.cancel()
+                if died and not member.ready.is_set():
                     raise StartupError(f"actor {member.role} exited before it was ready")
 
+        waiters = [asyncio.create_task(one(m), name=f"ready:{m.role}") for m in members]
         try:
-            await asyncio.wait_for(asyncio.gather(*(one(m) for m in members)), timeout)
-        except TimeoutError:
-            slow = [m.role for m in members if not m.ready.is_set()]
-            raise StartupError(f"actors not ready after {timeout:g}s: {', '.join(slow)}") from None
+            done, _ = await asyncio.wait(
+                waiters, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+            )
+        finally:  # cancelled (Ctrl-C) or not: no waiter outlives this call unread
+            for w in waiters:
+                w.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+        for w in done:
+            if not w.cancelled() and w.exception() is not None:
+                raise w.exception()  # type: ignore[misc]
+        slow = [m.role for m in members if not m.ready.is_set()]
+        if slow:
+            raise StartupError(f"actors not ready after {timeout:g}s: {', '.join(slow)}")
 
     async def _watch_heartbeats(self) -> None:
         deploy = self.config.deploy
