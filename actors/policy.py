@@ -139,6 +139,10 @@ class BatchPlanner:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finishes or self._releases)
 
+    def has_finishes(self) -> bool:
+        """Finished requests whose pages the cache manager has not been told of yet."""
+        return bool(self._finishes)
+
     def take_deltas(self) -> list[TokenDelta]:
         out, self._deltas = self._deltas, []
         return out

@@ -123,20 +123,9 @@ class SchedulerActor(Actor):
                 await self._wake.wait()
 
     async def _step(self) -> bool:
-        planner = self.planner
-        ops = planner.cache_ops()
-        changed = False
-        if ops is not None:
-            try:
-                result = await self.request("cache_manager", ops)
-            except ActorError as exc:
-                log.error("cache step failed: %s", exc)
-                planner.fail_all(f"the cache manager failed: {exc}", exc.status)
-                return True
-            assert isinstance(result, CacheStepResult)
-            planner.apply_cache(result)
-            changed = bool(result.admitted or ops.finishes or ops.releases or ops.commits)
+        changed = await self._cache_step()
         self._step_id += 1
+        planner = self.planner
         batch = planner.build_batch(self._step_id)
         if not batch.seqs:
             return changed
@@ -149,5 +138,27 @@ class SchedulerActor(Actor):
             planner.fail_batch(batch, f"the forward pass failed: {exc}", exc.status)
             return True
         assert isinstance(reply, StepResult)
-        await self._emit(planner.on_result(batch, reply))
+        deltas = planner.on_result(batch, reply)
+        if planner.has_finishes():
+            # The pages of finished requests go back before their clients hear they are
+            # done, so whatever a client does next (a cache flush, the same prompt
+            # again) sees them released. It is the next step's cache round, run early.
+            await self._cache_step()
+        await self._emit(deltas)
         return True
+
+    async def _cache_step(self) -> bool:
+        """Send the planner's pending cache operations; whether anything changed."""
+        planner = self.planner
+        ops = planner.cache_ops()
+        if ops is None:
+            return False
+        try:
+            result = await self.request("cache_manager", ops)
+        except ActorError as exc:
+            log.error("cache step failed: %s", exc)
+            planner.fail_all(f"the cache manager failed: {exc}", exc.status)
+            return True
+        assert isinstance(result, CacheStepResult)
+        planner.apply_cache(result)
+        return bool(result.admitted or ops.finishes or ops.releases or ops.commits)

@@ -106,6 +106,16 @@ def test_shared_prefix_is_served_from_cache(engine: Engine) -> None:
     assert other.usage.cached_tokens >= 144
 
 
+def test_a_finished_request_has_returned_its_pages_when_its_client_hears(
+    engine: Engine,
+) -> None:
+    # No polling: the scheduler tells the cache manager before it emits the last token,
+    # so a flush right after generate() never finds the request's pages still in use.
+    for i in range(10):
+        engine.generate([300 + i] * 40, greedy(3))
+        assert engine.flush_cache(), f"round {i}"
+
+
 def test_prompts_arriving_together_compute_their_shared_prefix_once(engine: Engine) -> None:
     rng = random.Random(5)
     prefix = [rng.randrange(100, 49000) for _ in range(192)]  # 12 pages
