@@ -4,8 +4,9 @@ PyTorch has no paged-attention op for the CPU, and a torch C++ extension takes
 a minute to build; a plain C file with OpenMP builds in about a second with the
 system compiler. The library is cached under ``$ACTORLM_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/actorlm``, or ``~/.cache/actorlm``) by a hash of the source, the
-flags, the compiler and this CPU's feature flags, written atomically so several
-workers can race to build it.
+flags, the compiler and this CPU's feature flags (a source's ``#include "..."``
+files are hashed with it), written atomically so several workers can race to
+build it.
 
 Without a compiler, or with ``ACTORLM_NATIVE=0``, ``load`` returns None and the
 caller keeps its pure-PyTorch path.
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +30,7 @@ __all__ = ["cache_dir", "load"]
 
 log = logging.getLogger(__name__)
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 
@@ -37,6 +40,15 @@ def cache_dir() -> Path:
         xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         root = str(Path(xdg) / "actorlm")
     return Path(root) / "kernels"
+
+
+def _texts(source: Path) -> list[str]:
+    """``source`` and the local headers it includes, recursively, for the cache key."""
+    text = source.read_text()
+    out = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        out += _texts((source.parent / name).resolve())
+    return out
 
 
 def _cpu_flags() -> str:
@@ -59,7 +71,7 @@ def load(source: Path) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s falls back to PyTorch", source.name)
         return None
     key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (source.read_text(), *_FLAGS, compiler, _cpu_flags()))
+        b"\0".join(s.encode() for s in (*_texts(source), *_FLAGS, compiler, _cpu_flags()))
     ).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{key}.so"
     if not lib.exists():

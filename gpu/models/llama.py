@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..attention.base import AttentionBackend
 from ..forward_meta import ForwardMeta
 from ..model_info import ModelInfo
@@ -23,13 +24,19 @@ __all__ = ["LlamaForCausalLM"]
 
 
 class RMSNorm(nn.Module):
+    """With a residual, SGLang's fused form: returns (norm(x + residual), x + residual)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -60,7 +67,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         # q and k rotate in one op: [T, H + Hkv, D]
-        qk = Rope.apply(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
+        qk = ops.rotate_halves(
+            qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin
+        )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, self.layer, meta)  # [T, H D]
@@ -75,8 +84,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -87,9 +95,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, backend):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta, backend):  # type: ignore[no-untyped-def]
+        """(x, residual) → (this layer's output, the running sum before it): the sum
+        and the next norm fuse into one pass (``ops.fused_add_rms_norm``)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -138,11 +153,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(meta.input_ids)  # [T, hidden]
         cos, sin = self.rope.cos_sin(meta.positions, meta.max_seq_len)  # [T, 1, D/2]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, backend)
+            x, residual = layer(x, residual, cos, sin, meta, backend)
         if meta.sample_rows.numel() != meta.num_tokens:
-            x = x[meta.sample_rows]  # [S, hidden]: the LM head only where a token is sampled
-        x = self.model.norm(x)
+            # [S, hidden]: the LM head only where a token is sampled
+            x, residual = x[meta.sample_rows], residual[meta.sample_rows]
+        x, _ = self.model.norm(x, residual)
         if self.head is not None:
             return self.head(x).float()
         if not self.tied:  # nn.Linear, or what a linear method converted it into

@@ -1,4 +1,5 @@
-"""Rotary position embeddings with the HF scaling variants (default, linear, dynamic, llama3).
+"""Rotary position embeddings with the HF scaling variants (default, linear, dynamic, llama3):
+the cos/sin tables; ``ops.rotate_halves`` applies them.
 
 Weights are in HF layout (rotate the two halves of each head), which is what the
 GGUF loader restores by undoing llama.cpp's interleaving permutation.
@@ -81,9 +82,3 @@ class Rope:
             self._tables = self._table(self.inv_freq, self.max_len, positions.device)
         cos, sin = self._tables
         return cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] → rotated copy (halves layout)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,113 @@
+"""Fused element-wise layers: RMSNorm (with the residual add folded in),
+SiLU-and-multiply, and rotary embedding.
+
+Each has a PyTorch path that runs anywhere and, for fp32 tensors on the CPU, a C
+kernel (``cpu_ops.c``, built by ``native``): one pass over memory instead of a
+chain of 4-7 PyTorch ops, which at decode batch sizes cost more in dispatch than
+in arithmetic (bench/forward.py, decode b=8: ~10% of the step). The names and
+the in-place contract of ``fused_add_rms_norm`` follow SGLang's kernels, so a
+model written against them ports as it is. ``ACTORLM_NATIVE=0`` keeps PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+
+__all__ = ["fused_add_rms_norm", "native_ops", "rms_norm", "rotate_halves", "silu_and_mul"]
+
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+@cache
+def native_ops() -> Any | None:
+    """The compiled kernels, or None where they cannot be built."""
+    lib = native.load(Path(__file__).with_name("cpu_ops.c"))
+    if lib is None:
+        return None
+    lib.actorlm_rms_norm.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _I, _F, _T]
+    lib.actorlm_silu_and_mul.argtypes = [_P, _I, _P, _I, _I, _I, _T]
+    lib.actorlm_rope.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I, _T]
+    for fn in (lib.actorlm_rms_norm, lib.actorlm_silu_and_mul, lib.actorlm_rope):
+        fn.restype = None
+    return lib
+
+
+def _native(*tensors: torch.Tensor) -> Any | None:
+    """The kernels, when every tensor is a 2-D fp32 CPU tensor with unit inner stride."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1:
+            return None
+    return native_ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension of ``x`` [T, dim]."""
+    lib = _native(x)
+    if lib is None or not weight.is_contiguous():
+        return F.rms_norm(x, weight.shape, weight, eps)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.actorlm_rms_norm(
+        x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), out.stride(0),
+        x.shape[0], x.shape[1], eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` then ``rms_norm(residual)``; returns (normed, residual).
+
+    On the kernel path both happen in place: ``residual`` holds the sum and ``x``
+    the normed rows (the caller must own both). Elsewhere new tensors may be returned.
+    """
+    lib = _native(x, residual)
+    if lib is None or not weight.is_contiguous():
+        residual = residual + x
+        return F.rms_norm(residual, weight.shape, weight, eps), residual
+    lib.actorlm_rms_norm(
+        x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x`` = [gate | up] of shape [T, 2d] → [T, d]."""
+    d = x.shape[-1] // 2
+    lib = _native(x)
+    if lib is None:
+        gate, up = x.split(d, dim=-1)
+        return F.silu(gate) * up
+    out = x.new_empty(x.shape[0], d)
+    lib.actorlm_silu_and_mul(
+        x.data_ptr(), x.stride(0), out.data_ptr(), d, x.shape[0], d, torch.get_num_threads()
+    )
+    return out
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, halves layout: ``x`` [T, heads, D], ``cos``/``sin`` [T, 1, D/2].
+
+    On the kernel path ``x`` (a view into the caller's own buffer) is rotated in
+    place and returned; elsewhere a rotated copy is returned.
+    """
+    T, heads, D = x.shape
+    cs, sn = cos.reshape(T, D // 2), sin.reshape(T, D // 2)
+    lib = _native(x[:, 0], cs, sn)
+    if lib is None or x.stride(1) != D or cs.stride(0) != sn.stride(0):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    lib.actorlm_rope(
+        x.data_ptr(), x.stride(0), T, heads, D, cs.data_ptr(), sn.data_ptr(), cs.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return x
