@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from actorlm.gpu import ops
 
 pytestmark = pytest.mark.skipif(ops.native_ops() is None, reason="no C compiler here")
