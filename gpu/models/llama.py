@@ -79,7 +79,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)  # rows: [gate | up]
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
