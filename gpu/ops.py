@@ -51,7 +51,7 @@ def _native(*tensors: torch.Tensor) -> Any | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension of ``x`` [T, dim]."""
     lib = _native(x)
-    if lib is None or not weight.is_contiguous():
+    if lib is None or not weight.is_contiguous() or weight.dtype != x.dtype:
         return F.rms_norm(x, weight.shape, weight, eps)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.actorlm_rms_norm(
@@ -70,7 +70,7 @@ def fused_add_rms_norm(
     the normed rows (the caller must own both). Elsewhere new tensors may be returned.
     """
     lib = _native(x, residual)
-    if lib is None or not weight.is_contiguous():
+    if lib is None or not weight.is_contiguous() or weight.dtype != x.dtype:
         residual = residual + x
         return F.rms_norm(residual, weight.shape, weight, eps), residual
     lib.actorlm_rms_norm(

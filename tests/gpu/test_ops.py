@@ -19,6 +19,7 @@ def test_rms_norm_and_the_fused_residual_add(rows: int, dim: int) -> None:
     g = _gen(rows)
     x, res = torch.randn(rows, dim, generator=g) * 4, torch.randn(rows, dim, generator=g)
     w = torch.randn(dim, generator=g)
+    assert ops._native(x) is not None  # these inputs take the kernel, not the fallback
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (dim,), w, 1e-6))
     want_sum = x + res
     want = F.rms_norm(want_sum, (dim,), w, 1e-6)
@@ -41,6 +42,7 @@ def test_silu_and_mul(rows: int, d: int) -> None:
     x = torch.randn(rows, 2 * d, generator=_gen(d)) * 8
     x[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -1e-30])[: min(4, d)]  # tails and zero
     gate, up = x.split(d, dim=-1)
+    assert ops._native(x) is not None  # the kernel, not the fallback
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
