@@ -169,11 +169,11 @@ class CpuPlatform(Platform):
         return min(DEFAULT_MAX_PREFILL_TOKENS, max(256, 128 * cores))
 
     def default_quantization(self, dtype: str) -> str:
-        # fbgemm's fp16-weight GEMM with fp32 activations: decode moves half the bytes
-        # of fp32 through a kernel tuned for its small batches (bench/forward.py).
+        # A GGUF's own blocks for decode (a fifth of fp32's bytes), fbgemm's fp16-weight
+        # GEMM for prefill and for weights of other formats (bench/forward.py).
         from .quantization import fbgemm_available
 
-        return "fp16" if dtype == "float32" and fbgemm_available() else "none"
+        return "gguf" if dtype == "float32" and fbgemm_available() else "none"
 
 
 class CudaPlatform(Platform):

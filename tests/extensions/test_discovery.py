@@ -284,7 +284,7 @@ def test_cpu_platform_describes_this_machine() -> None:
     unset = EngineConfig(model=ModelConfig(device="", attention_backend="", page_size=0))
     model = platform.adjust_defaults(unset).model
     assert (model.device, model.attention_backend, model.page_size) == ("cpu", "cpu", 16)
-    assert model.quantization == "fp16"
+    assert model.quantization == "gguf"
     cores = len(os.sched_getaffinity(0))
     budget = platform.adjust_defaults(unset).scheduler.max_prefill_tokens
     assert budget == min(2048, max(256, 128 * cores))  # ~0.5 s of prefill a step

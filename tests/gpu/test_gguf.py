@@ -72,8 +72,9 @@ def test_default_gguf_greedy_64_matches_transformers(
         str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
     )
     want = hf_greedy(ref.eval(), prompt, 64)
-    # fp32 weights as loaded, and the CPU default: the same weights rounded to fp16
-    for quantization in ("none", "fp16"):
+    # fp32 weights as loaded, rounded to fp16, and the CPU default: the file's blocks
+    # for decode, fp16 for the prompt
+    for quantization in ("none", "fp16", "gguf"):
         runner = make_runner(default_gguf, num_pages=64, quantization=quantization)
         ours = greedy(runner, "g", prompt, 64, Pages())
         assert ours == want, (quantization, tok.decode(ours))

@@ -84,13 +84,13 @@ def test_fp16_wide_layer_is_sharded_and_exact(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_registry_checks_and_platform_default(tiny_llama: Path) -> None:
-    assert {"none", "fp16"} <= set(QUANTIZATION_METHODS.names())
+    assert {"none", "fp16", "gguf"} <= set(QUANTIZATION_METHODS.names())
     with pytest.raises(UnknownNameError, match="known: .*fp16"):
         make_runner(tiny_llama, quantization="nf4")
     with pytest.raises(ValueError, match="float32"):
         make_runner(tiny_llama, quantization="fp16", dtype="bfloat16")
     unset = CpuPlatform().adjust_defaults(EngineConfig())
-    assert unset.model.quantization == "fp16"
+    assert unset.model.quantization == "gguf"
     bf16 = EngineConfig(model=ModelConfig(dtype="bfloat16"))
     assert CpuPlatform().adjust_defaults(bf16).model.quantization == "none"
 

@@ -1,0 +1,86 @@
+"""Linear layers of the default model by row count: fp32 (PyTorch), fp16 (fbgemm) and
+the GGUF block kernel (``gpu/cpu_qgemm.c``), each on that layer's own weights.
+
+Sets ``GGUFLinear.KERNEL_MAX_ROWS``: the kernel wins while a batch is small
+(decode), fbgemm's fp16 GEMM once it is large (prefill).
+
+    python bench/qgemm.py                       # rows 1 2 4 8 16 32 64 256
+    python bench/qgemm.py --rows 8 --layers blk.0.ffn_down.weight
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from actorlm.config import ModelConfig
+from actorlm.gpu.gguf_file import GGUFFile
+from actorlm.gpu.loaders.base import model_path
+from actorlm.gpu.qgemm import gemm, pack
+from actorlm.gpu.quantization import Fp16Linear
+
+LAYERS = "blk.0.attn_q.weight,blk.0.attn_k.weight,blk.0.ffn_up.weight,blk.0.ffn_down.weight,token_embd.weight"
+
+
+def best_ms(fn, x: torch.Tensor, min_s: float) -> float:  # type: ignore[no-untyped-def]
+    fn(x)
+    best, spent, n = float("inf"), 0.0, 0
+    while spent < min_s or n < 3:
+        t0 = time.perf_counter()
+        fn(x)
+        dt = time.perf_counter() - t0
+        best, spent, n = min(best, dt), spent + dt, n + 1
+    return best * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="", help="a .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--layers", default=LAYERS, help="GGUF tensor names, comma-separated")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,256", help="rows of x, comma-separated")
+    p.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    p.add_argument("--out", default="bench/results/qgemm.json", help="raw results (JSON)")
+    args = p.parse_args()
+
+    path = model_path(ModelConfig(path=args.model))
+    file = GGUFFile(path)
+    results: list[dict[str, object]] = []
+    print("| layer | N x K | format | rows | fp32 ms | fp16 ms | blocks ms | fp16 / blocks |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for name in args.layers.split(","):
+        w = torch.from_numpy(file.dequantize(name).copy()).float()
+        packed = pack(w)
+        if packed is None:
+            print(f"| {name} | {tuple(w.shape)} | not a block format | | | | | |")
+            continue
+        fp16 = Fp16Linear(w, None)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, w.shape[1])
+            ms = {
+                "fp32": best_ms(lambda x, w=w: F.linear(x, w), x, args.min_time),
+                "fp16": best_ms(fp16, x, args.min_time),
+                "blocks": best_ms(lambda x, p=packed: gemm(x, p), x, args.min_time),
+            }
+            results.append({"layer": name, "shape": list(w.shape), "kind": packed.kind,
+                            "rows": rows, "ms": ms})  # fmt: skip
+            print(
+                f"| {name} | {w.shape[0]} x {w.shape[1]} | {packed.kind} | {rows} | "
+                f"{ms['fp32']:.3f} | {ms['fp16']:.3f} | {ms['blocks']:.3f} | "
+                f"{ms['fp16'] / ms['blocks']:.2f}x |",
+                flush=True,
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": str(path), "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine()}  # fmt: skip
+    out.write_text(json.dumps({**meta, "results": results}, indent=2))
+    print(f"\nraw results: {out}")
+
+
+if __name__ == "__main__":
+    main()
