@@ -44,8 +44,8 @@ static inline v8i widen_s8(const int8_t *p) {
 }
 #endif
 
-/* Rows [0, MT) of x against group g. A accumulators a row keep the chains of
-   dependent multiply-adds short when there are few rows. */
+/* Rows [0, MT) of x against group g. With few rows each row gets 2 or 4
+   accumulators (8 in all), so the chains of dependent multiply-adds stay short. */
 static inline __attribute__((always_inline)) void tile(
     const int q4, const float *x, int64_t xs, const uint8_t *q, const float *d, const float *mn,
     int64_t nb, int64_t g, float *y, int64_t ys, int64_t N, const int MT) {

@@ -18,8 +18,8 @@ Built in:
   ``GGUFLinear.KERNEL_MAX_ROWS`` rows (decode) run a C kernel that expands each
   block in registers (~4.5 bits read a weight), larger ones (prefill) the ``fp16``
   path. A weight of another format runs the ``fp16`` path throughout. The CPU
-  platform's default: decode of the default model ~1.9x faster than ``fp16`` at
-  batch 1, ~1.2x at batch 8.
+  platform's default: the default model decodes ~1.6x faster than with ``fp16``
+  at batch 1 and ~1.45x at batch 8 (bench/forward.py), same greedy tokens.
 
 fbgemm's int8 path (W8A8 dynamic) is faster still but quantizes activations per
 tensor to 7 bits; on the default model greedy tokens change from the first one,
