@@ -25,8 +25,9 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cache_dir", "load"]
+__all__ = ["bind", "cache_dir", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,17 @@ def load(source: Path) -> ctypes.CDLL | None:
     import torch  # noqa: F401
 
     return ctypes.CDLL(str(lib))
+
+
+def bind(source: Path, signatures: dict[str, list[Any]]) -> ctypes.CDLL | None:
+    """``load(source)`` with the argument types of its named functions set (each
+    returns void), or None when it cannot be built here."""
+    lib = load(source)
+    if lib is not None:
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
 
 
 def _build(compiler: str, source: Path, lib: Path) -> None:

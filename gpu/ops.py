@@ -29,15 +29,14 @@ _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 @cache
 def native_ops() -> Any | None:
     """The compiled kernels, or None where they cannot be built."""
-    lib = native.load(Path(__file__).with_name("cpu_ops.c"))
-    if lib is None:
-        return None
-    lib.actorlm_rms_norm.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _I, _F, _T]
-    lib.actorlm_silu_and_mul.argtypes = [_P, _I, _P, _I, _I, _I, _T]
-    lib.actorlm_rope.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I, _T]
-    for fn in (lib.actorlm_rms_norm, lib.actorlm_silu_and_mul, lib.actorlm_rope):
-        fn.restype = None
-    return lib
+    return native.bind(
+        Path(__file__).with_name("cpu_ops.c"),
+        {
+            "actorlm_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _F, _T],
+            "actorlm_silu_and_mul": [_P, _I, _P, _I, _I, _I, _T],
+            "actorlm_rope": [_P, _I, _I, _I, _I, _P, _P, _I, _T],
+        },
+    )
 
 
 def _native(*tensors: torch.Tensor) -> Any | None:

@@ -136,13 +136,13 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 @cache
 def native_qgemm() -> Any | None:
     """The compiled kernels, or None where they cannot be built."""
-    lib = native.load(Path(__file__).with_name("cpu_qgemm.c"))
-    if lib is None:
-        return None
-    lib.actorlm_gemm_q4_1.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _T]
-    lib.actorlm_gemm_q8_0.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I, _T]
-    lib.actorlm_gemm_q4_1.restype = lib.actorlm_gemm_q8_0.restype = None
-    return lib
+    return native.bind(
+        Path(__file__).with_name("cpu_qgemm.c"),
+        {
+            "actorlm_gemm_q4_1": [_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _T],
+            "actorlm_gemm_q8_0": [_P, _I, _I, _P, _P, _I, _I, _P, _I, _T],
+        },
+    )
 
 
 def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
