@@ -79,11 +79,12 @@ def _groups(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
 
-def _exact_products(q: np.ndarray, d: np.ndarray) -> bool:
-    """Whether every ``q * d`` is exact in fp32, so the kernel's fused multiply-add
-    rounds the same as the separate multiply and add checked here."""
-    wide = q.astype(np.float64) * d.astype(np.float64)
-    return bool(np.array_equal(wide, (q.astype(np.float32) * d).astype(np.float64)))
+def _exact_products(d: np.ndarray, code_bits: int) -> bool:
+    """Whether ``q * d`` is exact in fp32 for every code of ``code_bits`` bits (the
+    low ``code_bits`` of each scale's 23 mantissa bits are zero, as they are for
+    fp16 scales), so the kernel's fused multiply-add rounds the same as the
+    separate multiply and add checked here."""
+    return not np.any(d.view(np.int32) & ((1 << code_bits) - 1))
 
 
 def _pack_q4_1(blocks: np.ndarray) -> PackedWeight | None:
@@ -92,7 +93,7 @@ def _pack_q4_1(blocks: np.ndarray) -> PackedWeight | None:
     safe = np.where(d > 0, d, np.float32(1))
     q = np.clip(np.rint((blocks - lo) / safe), 0, 15).astype(np.uint8)
     qf = q.astype(np.float32)
-    if not _exact_products(qf, d) or not np.array_equal(qf * d + lo, blocks):
+    if not _exact_products(d, 4) or not np.array_equal(qf * d + lo, blocks):
         return None
     pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # [N, nb, 16]
     n, nb, _ = blocks.shape
@@ -110,7 +111,7 @@ def _pack_q8_0(blocks: np.ndarray) -> PackedWeight | None:
     safe = np.where(d > 0, d, np.float32(1))
     q = np.clip(np.rint(blocks / safe), -127, 127).astype(np.int8)
     qf = q.astype(np.float32)
-    if not _exact_products(qf, d) or not np.array_equal(qf * d, blocks):
+    if not _exact_products(d, 7) or not np.array_equal(qf * d, blocks):
         return None
     n, nb, _ = blocks.shape
     return PackedWeight(
@@ -128,9 +129,12 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         return None
     w = weight.detach().to("cpu", torch.float32).contiguous().numpy()
     blocks = w.reshape(w.shape[0], -1, QK)
-    if not np.isfinite(blocks).all():
-        return None
-    return _pack_q4_1(blocks) or _pack_q8_0(blocks)
+    with np.errstate(all="ignore"):  # inf/nan weights fail the checks below
+        for fmt in (_pack_q4_1, _pack_q8_0):
+            # one row first: a weight of another format is turned down without a full pass
+            if fmt(blocks[:1]) is not None and np.isfinite(blocks).all():
+                return fmt(blocks)
+    return None
 
 
 @cache

@@ -148,9 +148,6 @@ class GGUFMethod(Fp16Method):
 
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         dense = super().convert(weight, bias)
-        # one row first: a weight of another format is turned down without packing it all
-        if qgemm.pack(weight[:1]) is None:
-            return dense
         packed = qgemm.pack(weight)
         return dense if packed is None else GGUFLinear(packed, bias, dense)
 
