@@ -129,12 +129,12 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         return None
     w = weight.detach().to("cpu", torch.float32).contiguous().numpy()
     blocks = w.reshape(w.shape[0], -1, QK)
-    with np.errstate(all="ignore"):  # inf/nan weights fail the checks below
-        for fmt in (_pack_q4_1, _pack_q8_0):
-            # one row first: a weight of another format is turned down without a full pass
-            if fmt(blocks[:1]) is not None and np.isfinite(blocks).all():
-                return fmt(blocks)
-    return None
+    with np.errstate(all="ignore"):  # inf/nan weights fail the checks
+        # one row picks the format: a weight of another format costs no full pass
+        fmt = next((f for f in (_pack_q4_1, _pack_q8_0) if f(blocks[:1]) is not None), None)
+        if fmt is None or not np.isfinite(blocks).all():
+            return None
+        return fmt(blocks)
 
 
 @cache

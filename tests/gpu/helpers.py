@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from actorlm.config import ModelConfig
+from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.runner import ModelRunner
 from actorlm.messages.sampling import SamplingParams
 from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep
@@ -108,3 +109,13 @@ def hf_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
 @torch.inference_mode()
 def hf_last_logits(model: Any, prompt: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+
+
+def assert_matches_hf(runner: ModelRunner, ref: Any, prompts: list[list[int]]) -> None:
+    """Each prompt's last logits within 1e-4 of ``ref``'s (one batched prefill), and
+    32 greedy tokens of the second prompt equal to ``ref``'s."""
+    pages = Pages()
+    ours = runner.run([SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert (ours[i] - hf_last_logits(ref, prompt)).abs().max().item() < 1e-4
+    assert greedy(runner, "g", prompts[1], 32, pages) == hf_greedy(ref, prompts[1], 32)

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.gguf_file import GGUFFile
 from actorlm.gpu.qgemm import QK, gemm, native_qgemm, pack
 from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, GGUFMethod, fbgemm_available
 from torch import nn
 
-from .helpers import Pages, greedy, hf_greedy, hf_model, make_runner
+from .helpers import assert_matches_hf, hf_model, make_runner
 
 pytestmark = [
     pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)"),
@@ -106,6 +105,7 @@ def test_layer_runs_the_kernel_for_small_batches_and_fp16_for_large() -> None:
     layer = GGUFMethod().convert(w, b)
     assert isinstance(layer, GGUFLinear)
     small = torch.randn(GGUFLinear.KERNEL_MAX_ROWS, 96)
+    assert torch.equal(layer(small), gemm(small, layer.packed) + b)  # the kernel's result
     torch.testing.assert_close(layer(small), F.linear(small, w, b), rtol=1e-5, atol=1e-4)
     large = torch.randn(GGUFLinear.KERNEL_MAX_ROWS + 1, 96)
     assert torch.equal(layer(large), layer.dense(large))
@@ -140,12 +140,4 @@ def test_gguf_method_matches_transformers_on_block_weights(
     assert len(layers) == 4 * runner.info.num_layers + 1  # qkv, o, gate_up, down; the head
     assert runner.model.head.packed.kind == "q8_0"
     ref = hf_model(path)
-    prompts = [list(range(100, 141)), [5, 17, 923, 4, 4, 88, 1200, 31, 7]]
-    pages = Pages()
-    seqs = [SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(prompts)]
-    ours = runner.run(seqs)
-    with torch.inference_mode():
-        for i, prompt in enumerate(prompts):
-            want = ref(input_ids=torch.tensor([prompt])).logits[0, -1]
-            assert (ours[i] - want).abs().max().item() < 1e-4
-    assert greedy(runner, "g", prompts[1], 32, pages) == hf_greedy(ref, prompts[1], 32)
+    assert_matches_hf(runner, ref, [list(range(100, 141)), [5, 17, 923, 4, 4, 88, 1200, 31, 7]])

@@ -22,7 +22,7 @@ from actorlm.gpu.quantization import (
 )
 from torch import nn
 
-from .helpers import Pages, greedy, hf_greedy, hf_model, make_runner
+from .helpers import Pages, assert_matches_hf, hf_model, make_runner
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)")
 
@@ -54,14 +54,7 @@ def test_fp16_method_matches_transformers_on_fp16_rounded_weights(
     assert len(linears) == 4 * runner.info.num_layers + 1
     assert isinstance(runner.model.head if tied else runner.model.lm_head, Fp16Linear)
     ref = _fp16_rounded_reference(path)
-    pages = Pages()
-    seqs = [SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(PROMPTS)]
-    ours = runner.run(seqs)
-    with torch.inference_mode():
-        for i, prompt in enumerate(PROMPTS):
-            want = ref(input_ids=torch.tensor([prompt])).logits[0, -1]
-            assert (ours[i] - want).abs().max().item() < 1e-4
-    assert greedy(runner, "g", PROMPTS[1], 32, pages) == hf_greedy(ref, PROMPTS[1], 32)
+    assert_matches_hf(runner, ref, PROMPTS)
 
 
 def test_fp16_layer_is_plain_math_on_fp16_rounded_weights() -> None:
