@@ -50,7 +50,8 @@ def both(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"),
-    [(9, 3, 64), (4, 4, 32), (8, 2, 12)],  # GQA; MHA; a head size off the vector path
+    # GQA; MHA; values in two passes of 64 floats, or 64 and 16; off the vector path
+    [(9, 3, 64), (4, 4, 32), (4, 2, 128), (4, 2, 80), (8, 2, 12)],
 )
 def test_kernel_matches_sdpa_on_ragged_paged_decodes(heads: int, kv_heads: int, dim: int) -> None:
     torch.manual_seed(0)
