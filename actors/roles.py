@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .supervisor import ACTOR_ROLES
+from .runtime.supervisor import ACTOR_ROLES
 
 __all__: list[str] = []
 
-ACTOR_ROLES.register("tokenizer", "actorlm.actors.tokenizer:TokenizerActor", source="builtin")
-ACTOR_ROLES.register("scheduler", "actorlm.actors.scheduler:SchedulerActor", source="builtin")
+ACTOR_ROLES.register("tokenizer", "actorlm.actors.tokenizer.actor:TokenizerActor", source="builtin")
+ACTOR_ROLES.register("scheduler", "actorlm.actors.scheduler.actor:SchedulerActor", source="builtin")
 ACTOR_ROLES.register(
-    "cache_manager", "actorlm.actors.cache_manager:CacheManagerActor", source="builtin"
+    "cache_manager", "actorlm.actors.cache.actor:CacheManagerActor", source="builtin"
 )
-ACTOR_ROLES.register("worker", "actorlm.actors.worker:WorkerActor", source="builtin")
+ACTOR_ROLES.register("worker", "actorlm.actors.worker.actor:WorkerActor", source="builtin")

@@ -29,9 +29,9 @@ from typing import Any, ClassVar
 
 import msgpack
 import zmq
-from actorlm.actors.process import event_loop_runner
 from actorlm.actors.runtime import Actor, ActorRuntime, RuntimeOptions, handles
-from actorlm.actors.supervisor import Launcher
+from actorlm.actors.runtime.process import event_loop_runner
+from actorlm.actors.runtime.supervisor import Launcher
 from actorlm.config import DeployConfig, EngineConfig
 from actorlm.messages.base import Message
 from actorlm.messages.control import Ack, Ping, Pong

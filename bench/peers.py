@@ -207,7 +207,7 @@ def _actorlm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list
     return [
         spec.python(),
         "-m",
-        "actorlm.actors.cli",
+        "actorlm.cli",
         "serve",
         "--model",
         str(m.gguf),

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from actorlm.config import ModelConfig
 from actorlm.gpu.gguf_file import GGUFFile
+from actorlm.gpu.kernels.qgemm import gemm, pack
 from actorlm.gpu.loaders.base import model_path
-from actorlm.gpu.qgemm import gemm, pack
 from actorlm.gpu.quantization import Fp16Linear
 
 LAYERS = "blk.0.attn_q.weight,blk.0.attn_k.weight,blk.0.ffn_up.weight,blk.0.ffn_down.weight,token_embd.weight"

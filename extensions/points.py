@@ -54,8 +54,8 @@ BUILTIN_MODULES = (
     "actorlm.gpu.logit_processors",
     "actorlm.gpu.platforms",
     "actorlm.gpu.quantization",
-    "actorlm.actors.eviction",
-    "actorlm.actors.hicache",
+    "actorlm.actors.cache.eviction",
+    "actorlm.actors.cache.hicache",
     "actorlm.actors.roles",
 )
 

@@ -43,7 +43,7 @@ class Platform:
     distributed_backend: ClassVar[str] = "gloo"  # torch.distributed backend
     # Dotted paths so a platform can swap them without importing them here.
     kv_pool_class: ClassVar[str] = "actorlm.gpu.kv_pool:KVPool"
-    page_allocator_class: ClassVar[str] = "actorlm.actors.allocator:PageAllocator"
+    page_allocator_class: ClassVar[str] = "actorlm.actors.cache.allocator:PageAllocator"
     page_size: ClassVar[int] = 16  # default KV page size in tokens
 
     @classmethod

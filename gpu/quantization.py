@@ -38,8 +38,8 @@ import torch
 from actorlm.extensions.points import QUANTIZATION_METHODS
 from torch import nn
 
-from . import qgemm
-from .qgemm import PackedWeight
+from .kernels import qgemm
+from .kernels.qgemm import PackedWeight
 
 __all__ = [
     "Fp16Linear",

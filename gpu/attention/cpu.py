@@ -2,7 +2,7 @@
 
 The torch backend's decode gathers every sequence's K and V into one buffer and
 runs SDPA on it; at batch 32 with 144-token contexts that copy and SDPA cost
-~1.7 ms a layer. ``cpu_decode.c`` reads the pages in place and serves the G query
+~1.7 ms a layer. ``kernels/cpu_decode.c`` reads the pages in place and serves the G query
 heads of a KV head from one read: ~0.9 ms, and the whole decode step at batch 32
 went from ~160 to ~110 ms with the LM head change beside it (bench/forward.py).
 Its scores take 8 keys at a time and its weighted sum of values keeps the
@@ -14,33 +14,18 @@ compiler), take the torch path unchanged.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .. import native
+from ..kernels.attention import decode_kernel
 from .torch_native import TorchNativeBackend, _Decode
 
-__all__ = ["CpuBackend", "decode_kernel"]
+__all__ = ["CpuBackend"]
 
 log = logging.getLogger(__name__)
-
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-def decode_kernel() -> Any | None:
-    """The compiled ``actorlm_paged_decode``, or None where it cannot be built."""
-    lib = native.load(Path(__file__).with_name("cpu_decode.c"))
-    if lib is None:
-        return None
-    fn = lib.actorlm_paged_decode
-    fn.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class CpuBackend(TorchNativeBackend):

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
 from ..attention.base import AttentionBackend
 from ..forward_meta import ForwardMeta
+from ..kernels import ops
 from ..model_info import ModelInfo
 from .rope import Rope
 

@@ -218,7 +218,7 @@ def test_disaggregated_actors_over_tcp_from_one_deployment_file(
     deploy.write_text("\n".join(lines))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "actorlm.actors.cli", "actor", role, "--deploy", str(deploy)]
+            [sys.executable, "-m", "actorlm.cli", "actor", role, "--deploy", str(deploy)]
         )
         for role in roles
     ]

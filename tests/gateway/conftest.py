@@ -83,7 +83,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [
-        sys.executable, "-m", "actorlm.actors.cli", "serve",
+        sys.executable, "-m", "actorlm.cli", "serve",
         "--model", str(tiny_llama), "--port", str(port),
         "--api-key", API_KEY, "--max-queued-requests", str(MAX_QUEUED),
         "--kv-cache-gb", "0.05", "--drain-timeout-s", "10",

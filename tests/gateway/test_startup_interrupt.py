@@ -23,7 +23,7 @@ def test_sigint_during_startup_exits_without_orphans(tiny_llama: Path, tmp_path:
     port = _free_port()
     log = tmp_path / "serve.log"
     cmd = [
-        sys.executable, "-m", "actorlm.actors.cli", "serve",
+        sys.executable, "-m", "actorlm.cli", "serve",
         "--model", str(tiny_llama), "--port", str(port), "--kv-cache-gb", "0.05",
     ]  # fmt: skip
     with log.open("w") as out:

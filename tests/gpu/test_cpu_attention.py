@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from actorlm.gpu import native
-from actorlm.gpu.attention.cpu import CpuBackend, decode_kernel
+from actorlm.gpu.attention.cpu import CpuBackend
 from actorlm.gpu.attention.torch_native import TorchNativeBackend
 from actorlm.gpu.forward_meta import ForwardMeta, SeqSpec
+from actorlm.gpu.kernels import native
+from actorlm.gpu.kernels.attention import decode_kernel
 from actorlm.gpu.kv_pool import KVPool
 
 
@@ -82,7 +83,7 @@ def test_other_dtypes_take_the_torch_path() -> None:
 def test_build_failure_and_opt_out_fall_back_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    source = Path(native.__file__).parent / "attention" / "cpu_decode.c"
+    source = Path(native.__file__).with_name("cpu_decode.c")
     build = native.load.__wrapped__  # the uncached builder
     monkeypatch.setenv("ACTORLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("ACTORLM_NATIVE", "0")

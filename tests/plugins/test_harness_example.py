@@ -14,8 +14,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from actorlm.actors.harness import ActorHarness
 from actorlm.actors.runtime import RemoteError
+from actorlm.actors.runtime.harness import ActorHarness
 from actorlm.actors.tokenizer import TokenizerActor
 from actorlm.config import EngineConfig, ModelConfig
 from actorlm.extensions.interceptors import (

@@ -244,7 +244,7 @@ def _serve_run(
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp / "serve.log"
-    cmd = [sys.executable, "-m", "actorlm.actors.cli", "serve", "--model", str(tiny_llama),
+    cmd = [sys.executable, "-m", "actorlm.cli", "serve", "--model", str(tiny_llama),
            "--port", str(port), "--kv-cache-gb", "0.05"]  # fmt: skip
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -309,7 +309,7 @@ def test_actorlm_plugins_lists_plugins_platform_entries_hooks_and_interceptors(
     plugin_site: Path, tmp_path: Path
 ) -> None:
     env = plugin_env(plugin_site, tmp_path, ACTORLM_PLUGINS=ALLOW, ACTORLM_EXAMPLE_DEVICE="1")
-    done = run_python(["-m", "actorlm.actors.cli", "plugins"], env)
+    done = run_python(["-m", "actorlm.cli", "plugins"], env)
     assert done.returncode == 0, done.stderr
     text = done.stdout
     lines = [" ".join(line.split()) for line in text.splitlines()]
@@ -339,8 +339,8 @@ def test_actorlm_plugins_lists_plugins_platform_entries_hooks_and_interceptors(
     for kind, target in (
         ("replace", "actorlm.gpu.sampling.Sampler"),
         ("around", "actorlm.gpu.sampling.Sampler.sample"),
-        ("before", "actorlm.actors.policy.BatchPlanner.add"),
-        ("after", "actorlm.actors.tokenizer.TokenizerActor._check"),
+        ("before", "actorlm.actors.scheduler.policy.BatchPlanner.add"),
+        ("after", "actorlm.actors.tokenizer.actor.TokenizerActor._check"),
     ):
         assert has(f"{kind} {target} fn=actorlm_example_plugin.hooks.", "[example] applied"), kind
     for interceptor in (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorlm.actors.eviction import EvictableNode, EvictionStrategy
+from actorlm.actors.cache.eviction import EvictableNode, EvictionStrategy
 
 from .record import record
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorlm.actors.policy import BatchPlanner
+from actorlm.actors.scheduler.policy import BatchPlanner
 from actorlm.actors.tokenizer import TokenizerActor
 from actorlm.extensions.hooks import HookRegistry, HookType, plugin_hook
 from actorlm.gpu.sampling import Sampler
@@ -50,5 +50,9 @@ def after_check(
     return None  # keep the result
 
 
-HookRegistry.register("actorlm.actors.policy.BatchPlanner.add", before_add, HookType.BEFORE)
-HookRegistry.register("actorlm.actors.tokenizer.TokenizerActor._check", after_check, HookType.AFTER)
+HookRegistry.register(
+    "actorlm.actors.scheduler.policy.BatchPlanner.add", before_add, HookType.BEFORE
+)
+HookRegistry.register(
+    "actorlm.actors.tokenizer.actor.TokenizerActor._check", after_check, HookType.AFTER
+)

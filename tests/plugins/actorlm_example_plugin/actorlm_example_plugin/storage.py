@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actorlm.actors.hicache import HiCacheFile
+from actorlm.actors.cache.hicache import HiCacheFile
 
 from .record import record
 

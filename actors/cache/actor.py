@@ -1,0 +1,177 @@
+"""CacheManagerActor: a thin shell over :class:`KVCacheManager` (page ids only).
+
+It owns the page allocator, the radix prefix tree, reference counts and the
+eviction policy. The KV tensors themselves live in the worker. One
+``CacheStep`` request per scheduler step carries every operation.
+
+With a HiCache storage backend (``--hicache-storage-backend file
+--hicache-storage-dir DIR``) every full page that enters the prefix tree is
+also saved to storage under a key naming its whole prefix, and an admission
+whose prefix goes on past the tree loads the following pages from storage
+instead of computing them, so a prefix outlives the server that computed it.
+The page moves ride on the step's messages (scheduler → worker), so the worker
+saves a page before anything can overwrite it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ...extensions.points import HICACHE_STORAGE
+from ...messages.cache import Admitted, CacheStep, CacheStepResult
+from ...messages.control import Ack, FlushCache
+from ...messages.envelope import Envelope
+from ...messages.step import PageIO
+from ..runtime import Actor, handles
+from .hicache import HiCacheStorage, page_keys, storage_model_id
+from .kv_cache import Admission, KVCacheManager
+
+__all__ = ["CacheManagerActor"]
+
+log = logging.getLogger(__name__)
+
+
+class CacheManagerActor(Actor):
+    role = "cache_manager"
+    inbox = (CacheStep, FlushCache)
+
+    async def on_start(self) -> None:
+        self.kv = self._new_cache()
+        self.storage: HiCacheStorage | None = open_storage(self.config)
+        self.model_id = storage_model_id(self.config)
+        self._stored: set[str] = set()  # keys known to be in storage
+        self.storage_hits = 0
+        self.prefix_waits = 0  # admissions put off to share a prefix being computed
+
+    def _new_cache(self) -> KVCacheManager:
+        model, cache = self.config.model, self.config.cache
+        if model.num_pages <= 0:
+            raise ValueError("the cache manager needs model.num_pages (resolve the config first)")
+        return KVCacheManager(
+            model.num_pages,
+            model.page_size,
+            enable_prefix_cache=cache.enable_prefix_cache,
+            policy=cache.eviction_policy,
+        )
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "pages_total": self.kv.allocator.num_pages,
+            "eviction_policy": self.config.cache.eviction_policy,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.kv.stats(),
+            "storage_hit_pages": self.storage_hits,
+            "prefix_waits": self.prefix_waits,
+        }
+
+    async def on_peer_down(self, role: str, reason: str) -> None:
+        if role == "worker":
+            # The KV tensors died with the worker: every cached page is garbage now.
+            log.warning("worker died: dropping the whole prefix cache")
+            self.kv = self._new_cache()
+
+    @handles(FlushCache)
+    async def on_flush(self, msg: FlushCache, env: Envelope) -> Ack:
+        result = self.kv.flush()
+        if result.pages_in_use:
+            return Ack(
+                ok=False,
+                detail=f"{result.pages_in_use} cached pages are in use by running requests",
+            )
+        return Ack(ok=True, detail=f"freed {result.freed_pages} pages")
+
+    @handles(CacheStep)
+    async def on_step(self, msg: CacheStep, env: Envelope) -> CacheStepResult:
+        kv = self.kv
+        stores: list[PageIO] = []
+        for op in msg.finishes:
+            if op.rid in kv:
+                if op.cache and self.storage is not None:
+                    stores += self._to_store(op.token_ids, kv.page_table(op.rid))
+                kv.finish(op.rid, op.token_ids, op.cache)
+        for rid in msg.releases:
+            kv.release(rid)
+        committed = {}
+        for commit in msg.commits:
+            if commit.rid in kv:
+                committed[commit.rid] = table = kv.cache_prefix(commit.rid, commit.token_ids)
+                if self.storage is not None:
+                    stores += self._to_store(commit.token_ids, table)
+        extended: dict[str, list[int]] = {}
+        for ext in msg.extends:
+            if ext.rid in kv:
+                pages = kv.extend(ext.rid, ext.num_pages)
+                if pages is not None:
+                    extended[ext.rid] = pages
+        admits = list(msg.admits)
+        if msg.longest_prefix_first and len(admits) > 1:
+            lengths = {
+                a.rid: kv.tree.match_prefix(a.token_ids, touch=False).num_tokens for a in admits
+            }
+            admits.sort(key=lambda a: -lengths[a.rid])  # stable: ties keep queue order
+        admitted: list[Admitted] = []
+        loads: list[PageIO] = []
+        for op in admits:
+            if kv.waits_for(op.token_ids) is not None:
+                # a running request is computing the prefix this prompt shares: admit it
+                # once that prefix is cached instead of computing it twice
+                self.prefix_waits += 1
+                continue
+            got = kv.admit(op.rid, op.token_ids, op.extra_pages, priority=op.priority)
+            if got is None:
+                break
+            if self.storage is not None:
+                got = self._load_from_storage(op.token_ids, got, loads)
+            admitted.append(Admitted(op.rid, got.cached_len, got.page_ids))
+        return CacheStepResult(
+            admitted=admitted,
+            extended=extended,
+            committed=committed,
+            pages_free=kv.allocator.num_free,
+            pages_total=kv.allocator.num_pages,
+            store_pages=stores,
+            load_pages=loads,
+        )
+
+    def _to_store(self, token_ids: list[int], table: list[int]) -> list[PageIO]:
+        keys = page_keys(self.model_id, token_ids, self.kv.page_size)
+        out = [PageIO(k, p) for k, p in zip(keys, table, strict=False) if k not in self._stored]
+        self._stored.update(io.key for io in out)
+        return out
+
+    def _load_from_storage(
+        self, token_ids: list[int], got: Admission, loads: list[PageIO]
+    ) -> Admission:
+        """Extend a tree hit with the pages storage holds next (never the last token)."""
+        assert self.storage is not None
+        ps = self.kv.page_size
+        keys = page_keys(self.model_id, token_ids[:-1], ps)
+        start = got.cached_len // ps
+        wanted = keys[start:]
+        known = 0
+        while known < len(wanted) and wanted[known] in self._stored:
+            known += 1
+        found = known + (self.storage.batch_exists(wanted[known:]) if known < len(wanted) else 0)
+        if not found:
+            return got
+        for i in range(start, start + found):
+            loads.append(PageIO(keys[i], got.page_ids[i]))
+            self._stored.add(keys[i])
+        self.storage_hits += found
+        return Admission(got.cached_len + found * ps, got.page_ids)
+
+
+def open_storage(config: Any) -> HiCacheStorage | None:
+    """The configured HiCache storage backend, constructed with the storage dir, or None."""
+    name = config.cache.hicache_storage_backend
+    if not name:
+        return None
+    if not config.cache.hicache_storage_dir:
+        raise ValueError("--hicache-storage-backend needs --hicache-storage-dir")
+    import actorlm.actors.cache.hicache  # noqa: F401  (registers the built-in backends)
+
+    return HICACHE_STORAGE.get(name)(config.cache.hicache_storage_dir)

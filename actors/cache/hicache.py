@@ -1,0 +1,158 @@
+"""HiCache storage tier: KV page blobs kept beyond GPU and host memory (``--hicache-storage-backend``).
+
+A backend is a flat key → bytes store. Keys come from ``page_keys``: one per full
+page, each a hash chained over the model id, the page size and every token up
+to and including that page. A page's key therefore names its whole prefix, so
+two servers (or one server after a restart) serving the same model compute the
+same keys for the same prompt and can reuse each other's pages.
+
+Backends must be safe for several processes sharing one store: a reader sees a
+whole blob or none, never a partial write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import struct
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ...extensions.points import HICACHE_STORAGE
+
+__all__ = ["HiCacheFile", "HiCacheStorage", "page_keys", "storage_model_id"]
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_TMP_SUFFIX = ".tmp"
+
+
+def page_keys(model_id: str, token_ids: Sequence[int], page_size: int) -> list[str]:
+    """One storage key per full page of ``token_ids`` (a trailing partial page has none).
+
+    Key ``i`` is a SHA-256 chain over ``model_id``, ``page_size`` and pages
+    ``0..i``, so it identifies the entire prefix, not just the page's own tokens.
+    Fold anything else that changes the KV bytes (dtype, tensor-parallel rank,
+    LoRA adapter) into ``model_id``. hashlib, not ``hash()``: keys must be equal
+    across processes and Python versions.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    digest = hashlib.sha256(f"actorlm-kv\0{model_id}\0{page_size}".encode()).digest()
+    keys: list[str] = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        page = token_ids[start : start + page_size]
+        # Fixed-width little-endian int64 so the bytes do not depend on the platform.
+        digest = hashlib.sha256(digest + struct.pack(f"<{page_size}q", *page)).digest()
+        keys.append(digest.hex())
+    return keys
+
+
+def storage_model_id(config: Any) -> str:
+    """What KV bytes depend on besides the tokens: the model file, dtype and page size."""
+    m = config.model
+    size = os.path.getsize(m.path) if os.path.isfile(m.path) else 0
+    return f"{os.path.abspath(m.path)}|{size}|{m.dtype}|{m.page_size}"
+
+
+class HiCacheStorage(ABC):
+    """A key → bytes store for KV page blobs.
+
+    ``batch_exists`` returns how many *leading* keys exist, because a cached
+    prefix is only usable up to its first missing page.
+    """
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The blob stored under ``key``, or None."""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> bool:
+        """Store ``value`` under ``key`` (replacing any); True on success."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if present."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every key."""
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> bool:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        return all([self.set(k, v) for k, v in zip(keys, values, strict=True)])
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` present (stops at the first missing one)."""
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+
+class HiCacheFile(HiCacheStorage):
+    """One file per key under ``root`` (two-level fan-out by key prefix).
+
+    Writes go to a temporary file in the same directory and are renamed into
+    place, which is atomic on POSIX: concurrent readers and writers in other
+    processes never see a torn blob, and a crash leaves at most a stray temp file.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync  # durability across power loss costs a disk flush per page
+
+    def _path(self, key: str) -> Path:
+        # Keys become file names: refuse anything that could escape root.
+        if not _KEY_RE.match(key) or key.endswith(_TMP_SUFFIX) or key.startswith("."):
+            raise ValueError(f"invalid HiCache key {key!r}")
+        return self.root / key[:2] / key
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def set(self, key: str, value: bytes) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=_TMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        for sub in self.root.iterdir():
+            if sub.is_dir() and len(sub.name) == 2:  # only our fan-out folders
+                for f in sub.iterdir():
+                    f.unlink(missing_ok=True)
+                sub.rmdir()
+
+
+HICACHE_STORAGE.register_builtin("file", HiCacheFile, help="page blobs as files under a directory")

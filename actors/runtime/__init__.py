@@ -1,0 +1,26 @@
+"""The actor framework: the Actor base, its runtime (inbox, dispatch, send, request,
+stream), calls in flight, transports, the launcher that supervises actors, the
+child-process entry, and the public test harness. Nothing here knows what a
+request or a model is."""
+
+from .dispatch import (
+    Actor,
+    ActorDied,
+    ActorError,
+    ActorRuntime,
+    RemoteError,
+    RequestTimeout,
+    RuntimeOptions,
+    handles,
+)
+
+__all__ = [
+    "Actor",
+    "ActorDied",
+    "ActorError",
+    "ActorRuntime",
+    "RemoteError",
+    "RequestTimeout",
+    "RuntimeOptions",
+    "handles",
+]

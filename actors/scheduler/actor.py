@@ -1,0 +1,164 @@
+"""SchedulerActor: a thin shell over :class:`~actorlm.actors.policy.BatchPlanner`.
+
+Its loop runs one step at a time: at most one exchange with the cache manager
+(every page operation of the step in one ``CacheStep``), then exactly one with
+the worker (``ForwardBatch`` → ``StepResult``), then one ``TokenBatch`` per
+tokenizer. Requests, aborts and stop-string finishes arrive between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ...messages.cache import CacheStepResult
+from ...messages.envelope import Envelope
+from ...messages.generate import (
+    AbortRequest,
+    FinishRequest,
+    TokenBatch,
+    TokenDelta,
+    TokenizedRequest,
+)
+from ...messages.step import StepResult
+from ..runtime import Actor, ActorError, handles
+from .policy import BatchPlanner
+
+__all__ = ["SchedulerActor"]
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerActor(Actor):
+    role = "scheduler"
+    inbox = (TokenizedRequest, AbortRequest, FinishRequest)
+
+    async def on_start(self) -> None:
+        model = self.config.model
+        if model.num_pages <= 0 or model.max_model_len <= 0:
+            raise ValueError(
+                "the scheduler needs model.num_pages and max_model_len (resolve the config first)"
+            )
+        self.planner = BatchPlanner(
+            self.config.scheduler,
+            page_size=model.page_size,
+            num_pages=model.num_pages,
+            max_model_len=model.max_model_len,
+            prefix_cache=self.config.cache.enable_prefix_cache,
+        )
+        self.reply_to: dict[str, str] = {}  # rid → tokenizer role that owns it
+        self._wake = asyncio.Event()
+        self._step_id = 0
+        self.spawn(self._loop(), name="scheduler-loop")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.planner.running),
+            "queued": len(self.planner.waiting),
+            **self.planner.stats,
+        }
+
+    # -- inbox ----------------------------------------------------------------
+    @handles(TokenizedRequest)
+    async def on_request(self, msg: TokenizedRequest, env: Envelope) -> None:
+        error = self.planner.add(msg, env.sender)
+        if error is None and {"worker", "cache_manager"} & self.runtime.down:
+            self.planner.abort(msg.rid, notify=False)
+            error = "the engine is restarting a failed actor; try again shortly"
+        self.reply_to[msg.rid] = env.sender
+        if error is not None:
+            status = 503 if "overloaded" in error or "restarting" in error else 400
+            await self._emit(
+                [TokenDelta(msg.rid, [], None, None, "error", len(msg.input_ids), 0, error, status)]
+            )
+            return
+        self._wake.set()
+
+    @handles(AbortRequest)
+    async def on_abort(self, msg: AbortRequest, env: Envelope) -> None:
+        if self.planner.abort(msg.rid, msg.reason):
+            self._wake.set()
+
+    @handles(FinishRequest)
+    async def on_finish(self, msg: FinishRequest, env: Envelope) -> None:
+        # A stop string matched: the tokenizer has already ended the client's stream.
+        if self.planner.abort(msg.rid, msg.reason, notify=False):
+            self.reply_to.pop(msg.rid, None)
+            self._wake.set()
+
+    async def on_peer_down(self, role: str, reason: str) -> None:
+        if role in ("worker", "cache_manager"):
+            self.planner.fail_all(f"the {role} actor died ({reason})", 503)
+            self._wake.set()
+
+    # -- the loop ---------------------------------------------------------------
+    async def _emit(self, deltas: list[TokenDelta]) -> None:
+        if not deltas:
+            return
+        by_dest: dict[str, list[TokenDelta]] = {}
+        for d in deltas:
+            dest = self.reply_to.get(d.rid, "tokenizer")
+            by_dest.setdefault(dest, []).append(d)
+            if d.finish_reason is not None:
+                self.reply_to.pop(d.rid, None)
+        for dest, items in by_dest.items():
+            try:
+                await self.send(dest, TokenBatch(items=items))
+            except ActorError as exc:
+                log.warning("cannot deliver tokens to %s: %s", dest, exc)
+
+    async def _loop(self) -> None:
+        planner = self.planner
+        while True:
+            # Cleared before looking, so a request or abort that lands while we step
+            # (its handler sets the event) is never slept through.
+            self._wake.clear()
+            await self._emit(planner.take_deltas())
+            if not planner.has_work():
+                await self._wake.wait()
+                continue
+            if not await self._step():
+                # Nothing could run (no pages, everything blocked): wait for a change.
+                await self._wake.wait()
+
+    async def _step(self) -> bool:
+        changed = await self._cache_step()
+        self._step_id += 1
+        planner = self.planner
+        batch = planner.build_batch(self._step_id)
+        if not batch.seqs:
+            return changed
+        try:
+            reply = await self.request(
+                "worker", batch, timeout=self.config.scheduler.step_timeout_s
+            )
+        except ActorError as exc:
+            log.error("forward step failed: %s", exc)
+            planner.fail_batch(batch, f"the forward pass failed: {exc}", exc.status)
+            return True
+        assert isinstance(reply, StepResult)
+        deltas = planner.on_result(batch, reply)
+        if planner.has_finishes():
+            # The pages of finished requests go back before their clients hear they are
+            # done, so whatever a client does next (a cache flush, the same prompt
+            # again) sees them released. It is the next step's cache round, run early.
+            await self._cache_step()
+        await self._emit(deltas)
+        return True
+
+    async def _cache_step(self) -> bool:
+        """Send the planner's pending cache operations; whether anything changed."""
+        planner = self.planner
+        ops = planner.cache_ops()
+        if ops is None:
+            return False
+        try:
+            result = await self.request("cache_manager", ops)
+        except ActorError as exc:
+            log.error("cache step failed: %s", exc)
+            planner.fail_all(f"the cache manager failed: {exc}", exc.status)
+            return True
+        assert isinstance(result, CacheStepResult)
+        planner.apply_cache(result)
+        return bool(result.admitted or ops.finishes or ops.releases or ops.commits)

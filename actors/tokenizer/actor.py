@@ -1,0 +1,253 @@
+"""TokenizerActor: text in, token ids to the scheduler; token ids back, text out.
+
+It validates requests (the first place that knows a prompt's length), renders
+chat templates, and turns each step's ``TokenBatch`` into one ``TextBatch`` per
+client with incremental text, stop strings held back and cut, and logprob
+strings. Long inputs are tokenized in a thread so the loop keeps streaming.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ...messages.control import ErrorReply
+from ...messages.envelope import Envelope
+from ...messages.generate import (
+    AbortRequest,
+    FinishRequest,
+    GenerateRequest,
+    TextBatch,
+    TextDelta,
+    TokenBatch,
+    TokenizedRequest,
+    Usage,
+)
+from ...messages.sampling import SamplingParams
+from ..runtime import Actor, ActorError, handles
+from .detokenize import TextStream, stream_batch, token_logprobs
+
+__all__ = ["TokenizerActor"]
+
+log = logging.getLogger(__name__)
+
+# Inputs longer than this are tokenized off the event loop (the thread hop costs ~0.1 ms).
+_INLINE_CHARS = 4096
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Live:
+    reply_to: str
+    stream: TextStream
+    prompt_tokens: int
+    logprobs: bool
+    msg_id: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class TokenizerActor(Actor):
+    role = "tokenizer"
+    inbox = (GenerateRequest, TokenBatch, AbortRequest)
+
+    async def on_start(self) -> None:
+        from .tokenization import load_tokenizer
+
+        self.tok = await self.run_blocking(load_tokenizer, self.config.model.path)
+        self.max_model_len = self.config.model.max_model_len
+        self.live: dict[str, _Live] = {}
+        self.tokenizing: set[str] = set()
+        self.sent: dict[int, str] = {}  # TokenizedRequest message id → rid
+        self.requests = 0
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"vocab_size": self.tok.vocab_size, "chat_template": bool(self.tok.chat_template)}
+
+    def stats(self) -> dict[str, Any]:
+        return {"live": len(self.live), "requests": self.requests}
+
+    # -- requests in ----------------------------------------------------------
+    @handles(GenerateRequest)
+    async def on_generate(self, req: GenerateRequest, env: Envelope) -> None:
+        reply_to = req.reply_to or env.sender
+        self.requests += 1
+        if req.rid in self.live or req.rid in self.tokenizing:
+            await self._fail(reply_to, req.rid, f"request id {req.rid!r} is already in use", 400)
+            return
+        self.tokenizing.add(req.rid)
+        try:
+            ids = await self._tokenize(req)
+            sampling = self._check(req, ids)
+        except (RequestError, ValueError) as exc:
+            self.tokenizing.discard(req.rid)
+            await self._fail(reply_to, req.rid, str(exc), getattr(exc, "status", 400))
+            return
+        if req.rid not in self.tokenizing:  # aborted while we tokenized
+            await self._fail(reply_to, req.rid, "", 0, reason="abort", prompt_tokens=len(ids))
+            return
+        self.tokenizing.discard(req.rid)
+        self.live[req.rid] = _Live(
+            reply_to, TextStream(self.tok, req.sampling), len(ids), req.sampling.logprobs
+        )
+        out = TokenizedRequest(
+            rid=req.rid,
+            input_ids=ids,
+            sampling=sampling,
+            priority=req.priority,
+            lora_path=req.lora_path,
+            arrival_time=time.time(),
+        )
+        try:
+            msg_id = await self.send("scheduler", out)
+        except ActorError as exc:
+            self.live.pop(req.rid, None)
+            await self._fail(reply_to, req.rid, str(exc), exc.status)
+            return
+        if req.rid in self.live:  # it may have finished while we were sending
+            self.sent[msg_id] = req.rid
+            self.live[req.rid].msg_id = msg_id
+
+    async def _tokenize(self, req: GenerateRequest) -> list[int]:
+        given = [x is not None for x in (req.text, req.messages, req.input_ids)]
+        if sum(given) != 1:
+            raise RequestError("give exactly one of text, messages or input_ids")
+        if req.input_ids is not None:
+            bad = [t for t in req.input_ids if not 0 <= t < self.tok.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"input_ids out of the vocabulary (size {self.tok.vocab_size}): {bad[:5]}"
+                )
+            return list(req.input_ids)
+        if req.messages is not None:
+            if not req.messages:
+                raise RequestError("messages must not be empty")
+            size = sum(len(str(m.content or "")) for m in req.messages)
+            args = (list(req.messages), req.add_generation_prompt)
+            kwargs = dict(req.chat_template_kwargs)
+            if size <= _INLINE_CHARS:
+                return self.tok.apply_chat_template(*args, **kwargs)
+            return await self.run_blocking(lambda: self.tok.apply_chat_template(*args, **kwargs))
+        text = req.text or ""
+        if len(text) <= _INLINE_CHARS:
+            return self.tok.encode(text)
+        return await self.run_blocking(self.tok.encode, text)
+
+    def _check(self, req: GenerateRequest, ids: list[int]) -> SamplingParams:
+        from ...gpu.sampling import validate_sampling
+
+        sp = req.sampling
+        if not ids:
+            raise RequestError("the prompt is empty")
+        validate_sampling(sp, self.tok.vocab_size)
+        limit = self.max_model_len
+        if limit and len(ids) + sp.max_new_tokens > limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; the request has "
+                f"{len(ids)} prompt tokens and asks for {sp.max_new_tokens} new tokens "
+                f"({len(ids) + sp.max_new_tokens} in total)",
+                400,
+            )
+        if sp.ignore_eos:
+            return sp
+        # The scheduler stops on these without knowing the model: hand it the eos ids.
+        stops = sorted(set(sp.stop_token_ids) | set(self.tok.eos_token_ids))
+        return msgspec.structs.replace(sp, stop_token_ids=stops)
+
+    async def _fail(
+        self,
+        to: str,
+        rid: str,
+        message: str,
+        status: int,
+        *,
+        reason: str = "error",
+        prompt_tokens: int = 0,
+    ) -> None:
+        delta = TextDelta(
+            rid=rid,
+            finish_reason=reason,
+            error=message or None,
+            error_code=status,
+            usage=Usage(prompt_tokens, 0, 0),
+        )
+        try:
+            await self.send(to, TextBatch(items=[delta]))
+        except ActorError as exc:
+            log.warning("cannot tell %s that %s failed: %s", to, rid, exc)
+
+    @handles(AbortRequest)
+    async def on_abort(self, msg: AbortRequest, env: Envelope) -> None:
+        if msg.rid in self.tokenizing:
+            self.tokenizing.discard(msg.rid)
+        elif msg.rid in self.live:
+            await self.send("scheduler", msg)
+
+    # -- tokens back ----------------------------------------------------------
+    @handles(TokenBatch)
+    async def on_tokens(self, msg: TokenBatch, env: Envelope) -> None:
+        items = [d for d in msg.items if d.rid in self.live]
+        if not items:
+            return
+        lives = [self.live[d.rid] for d in items]
+        texts = stream_batch(
+            [lv.stream for lv in lives],
+            [d.token_ids for d in items],
+            [d.finish_reason for d in items],
+        )
+        batches: dict[str, list[TextDelta]] = {}
+        for delta, lv, text in zip(items, lives, texts, strict=True):
+            lv.completion_tokens += len(delta.token_ids)
+            lv.cached_tokens = max(lv.cached_tokens, delta.cached_tokens)
+            reason = text.finish_reason or delta.finish_reason
+            out = TextDelta(
+                rid=delta.rid,
+                text=text.text,
+                token_ids=delta.token_ids,
+                logprobs=token_logprobs(
+                    self.tok, delta.token_ids, delta.logprobs, delta.top_logprobs
+                )
+                if lv.logprobs
+                else None,
+                finish_reason=reason,
+                matched_stop=text.matched_stop,
+                usage=Usage(lv.prompt_tokens, lv.completion_tokens, lv.cached_tokens)
+                if reason
+                else None,
+                error=delta.error,
+                error_code=delta.error_code,
+            )
+            batches.setdefault(lv.reply_to, []).append(out)
+            if reason is not None:
+                del self.live[delta.rid]
+                self.sent.pop(lv.msg_id, None)
+                if text.stop_string_hit and delta.finish_reason is None:
+                    await self.send("scheduler", FinishRequest(rid=delta.rid))
+        for to, deltas in batches.items():
+            try:
+                await self.send(to, TextBatch(items=deltas))
+            except ActorError as exc:
+                log.warning("cannot deliver to %s: %s", to, exc)
+
+    # -- failures -------------------------------------------------------------
+    async def on_error(self, env: Envelope, error: ErrorReply) -> None:
+        rid = self.sent.pop(env.reply_to, None)
+        live = self.live.pop(rid, None) if rid else None
+        if live is not None and rid is not None:
+            await self._fail(live.reply_to, rid, error.message, error.status)
+
+    async def on_peer_down(self, role: str, reason: str) -> None:
+        if role != "scheduler":
+            return
+        for rid, live in list(self.live.items()):
+            await self._fail(live.reply_to, rid, f"the scheduler died ({reason})", 503)
+        self.live.clear()

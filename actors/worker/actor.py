@@ -1,0 +1,81 @@
+"""WorkerActor: one ForwardBatch in, one StepResult out, the forward pass off the loop.
+
+The model, its KV tensors, the attention backend and the sampler all live in
+:class:`~actorlm.gpu.runner.ModelRunner`; this actor only moves messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ...messages.control import GetInfo, Info
+from ...messages.envelope import Envelope
+from ...messages.step import ForwardBatch, StepResult
+from ..runtime import Actor, handles
+
+__all__ = ["WorkerActor"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerActor(Actor):
+    role = "worker"
+    inbox = (ForwardBatch, GetInfo)
+
+    async def on_start(self) -> None:
+        from ...gpu.runner import ModelRunner
+        from ..cache.actor import open_storage
+
+        self.runner = await self.run_blocking(ModelRunner, self.config.model)
+        self.storage = open_storage(self.config)
+        # One forward at a time: the runner's KV pool and sampler state are not shared-safe.
+        self._lock = asyncio.Lock()
+        self.steps = 0
+        self.forward_ms = 0.0
+
+    def ready_info(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self.runner.info)
+
+    def stats(self) -> dict[str, Any]:
+        return {"steps": self.steps, "forward_ms_total": self.forward_ms}
+
+    def _step(self, batch: ForwardBatch) -> StepResult:
+        if batch.store_pages or batch.load_pages:
+            self._move_pages(batch)
+        return self.runner.forward(batch)
+
+    def _move_pages(self, batch: ForwardBatch) -> None:
+        """HiCache: save pages to storage, then load pages from it (see CacheManagerActor)."""
+        if self.storage is None:
+            raise RuntimeError("page moves asked of a worker without HiCache storage")
+        pool = self.runner.pool
+        for io in batch.store_pages:
+            self.storage.set(io.key, pool.read_pages_numpy([io.page_id]).tobytes())
+        if not batch.load_pages:
+            return
+        shape = pool.read_pages_numpy([0]).shape
+        dtype = pool.read_pages_numpy([0]).dtype
+        for io in batch.load_pages:
+            blob = self.storage.get(io.key)
+            if blob is None or len(blob) != int(np.prod(shape)) * dtype.itemsize:
+                raise RuntimeError(f"HiCache page {io.key[:12]}… is missing or damaged")
+            pool.write_pages_numpy(
+                [io.page_id], np.frombuffer(blob, dtype=dtype).reshape(shape).copy()
+            )
+
+    @handles(GetInfo)
+    async def on_info(self, msg: GetInfo, env: Envelope) -> Info:
+        return Info(role=self.role, values=self.ready_info())
+
+    @handles(ForwardBatch)
+    async def on_forward(self, msg: ForwardBatch, env: Envelope) -> StepResult:
+        async with self._lock:
+            result = await self.run_blocking(self._step, msg)
+        self.steps += 1
+        self.forward_ms += result.forward_ms
+        return result

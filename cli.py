@@ -1,0 +1,159 @@
+"""``actorlm serve | actor | plugins | messages``.
+
+Every config field is a flag (``--page-size``, ``--eviction-policy``, ...),
+generated from the config tree so the CLI and the config never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any
+
+import msgspec
+
+from .config import EngineConfig
+from .launch import _SECTIONS, config_from_options, load_deployment, resolve_config
+
+__all__ = ["build_parser", "main"]
+
+# Flag spellings users of SGLang/vLLM expect, beside the generated ones.
+_ALIASES = {
+    "path": ["--model", "--model-path"],
+    "policy": ["--schedule-policy"],
+    "max_running_requests": ["--max-num-seqs"],
+    "enable_prefix_cache": [],
+}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    seen: set[str] = set()
+    for section, cls in _SECTIONS.items():
+        if section == "deploy":
+            fields = [
+                f
+                for f in msgspec.structs.fields(cls)
+                if f.name in ("transport", "request_timeout_s")
+            ]
+        else:
+            fields = list(msgspec.structs.fields(cls))
+        group = parser.add_argument_group(section)
+        for f in fields:
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            flags = _ALIASES.get(f.name, [f"--{f.name.replace('_', '-')}"])
+            if f.name == "enable_prefix_cache":
+                group.add_argument(
+                    "--disable-prefix-cache", dest=f.name, action="store_false", default=None
+                )
+                continue
+            if isinstance(f.default, bool):
+                group.add_argument(
+                    *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None
+                )
+            elif isinstance(f.default, (int, float, str)):
+                group.add_argument(
+                    *flags, dest=f.name, type=type(f.default), default=None, metavar=f.name.upper()
+                )
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for cls in _SECTIONS.values() for f in msgspec.structs.fields(cls)} | {
+        "log_level"
+    }
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="actorlm", description="An LLM serving engine built from actors."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start every actor and the HTTP gateway")
+    _add_config_flags(serve)
+    serve.add_argument(
+        "--deploy", help="TOML deployment file: connect to actors started with `actorlm actor`"
+    )
+    actor = sub.add_parser("actor", help="run one actor alone (disaggregated deployment)")
+    actor.add_argument(
+        "role", help="tokenizer | scheduler | cache_manager | worker, or module:Class"
+    )
+    actor.add_argument("--deploy", help="TOML deployment file naming every actor's address")
+    actor.add_argument("--bind", help="address this actor binds (ipc:// or tcp://)")
+    actor.add_argument("--address", help="address peers use to reach it (default: --bind)")
+    actor.add_argument(
+        "--peer", action="append", default=[], metavar="ROLE=ADDR", help="a peer's address"
+    )
+    _add_config_flags(actor)
+    sub.add_parser("plugins", help="list plugins, the platform, registries, hooks and interceptors")
+    sub.add_parser("messages", help="print the schema of every message")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "actor":
+        return _actor(args)
+    if args.command == "plugins":
+        from .report import print_plugins
+
+        print_plugins(sys.stdout)
+        return 0
+    from .schema import print_schemas
+
+    print_schemas(sys.stdout)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .actors.runtime.process import prepare_process
+    from .serve import serve
+
+    base = load_deployment(args.deploy).config if args.deploy else EngineConfig()
+    config = config_from_options(base, **_options(args))
+    prepare_process(config, "gateway")
+    try:
+        config = resolve_config(config)
+    except FileNotFoundError as exc:
+        print(f"actorlm: {exc}", file=sys.stderr)
+        return 2
+    serve(config, deploy=args.deploy)
+    return 0
+
+
+def _actor(args: argparse.Namespace) -> int:
+    from .actors.runtime.process import event_loop_runner, prepare_process
+    from .actors.runtime.supervisor import run_actor
+
+    if args.deploy:
+        deployment = load_deployment(args.deploy)
+        config = config_from_options(deployment.config, **_options(args))
+        if args.role not in deployment.addresses:
+            print(f"actorlm: {args.role!r} is not in {args.deploy}", file=sys.stderr)
+            return 2
+        book = dict(deployment.addresses)
+        bind = args.bind or deployment.binds[args.role]
+        address = deployment.addresses[args.role]
+    else:
+        if not args.bind:
+            print(
+                "actorlm: give --deploy FILE, or --bind ADDR with --peer ROLE=ADDR", file=sys.stderr
+            )
+            return 2
+        config = config_from_options(EngineConfig(), **_options(args))
+        book = dict(p.split("=", 1) for p in args.peer)
+        bind, address = args.bind, args.address or args.bind
+    prepare_process(config, args.role)
+    config = resolve_config(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        event_loop_runner()(run_actor(args.role, config, address, book, bind=bind))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

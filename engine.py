@@ -1,0 +1,271 @@
+"""``actorlm.Engine``: the Python API over the same actor processes ``serve`` runs.
+
+    with Engine(model="/models/smollm2.gguf") as engine:
+        out = engine.generate("What is the capital of France?", {"max_new_tokens": 32})
+        print(out.text)
+
+The engine runs its own event loop in a background thread, so the synchronous
+API works anywhere; ``agenerate`` and ``stream`` are awaitable from any loop.
+With ``deploy="cluster.toml"`` it connects to actors started elsewhere with
+``actorlm actor ROLE --deploy cluster.toml`` instead of spawning its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from .actors.client import PIPELINE_ROLES, ClientActor, EngineClient, RequestFailed
+from .actors.runtime import ActorError, ActorRuntime, RuntimeOptions
+from .actors.runtime.supervisor import Launcher
+from .config import EngineConfig
+from .launch import config_from_options, load_deployment, resolve_config
+from .messages.generate import ChatMessage, GenerateRequest, TextDelta, TokenLogprob, Usage
+from .messages.sampling import SamplingParams
+
+__all__ = ["Engine", "GenerateOutput"]
+
+T = TypeVar("T")
+Prompt = str | list[int] | list[dict[str, Any]] | list[ChatMessage]
+
+
+@dataclass
+class GenerateOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    matched_stop: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def _sampling(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    return msgspec.convert(params, SamplingParams)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str = "",
+        *,
+        placement: str = "process",
+        deploy: str | None = None,
+        config: EngineConfig | None = None,
+        start_timeout: float = 600.0,
+        **options: Any,
+    ) -> None:
+        if deploy is not None:
+            self._deployment = load_deployment(deploy, config)
+            base = self._deployment.config
+        else:
+            self._deployment = None
+            base = config or EngineConfig()
+        if model:
+            options["path"] = model
+        self.config = resolve_config(config_from_options(base, **options))
+        self.placement = placement
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="actorlm-engine", daemon=True
+        )
+        self._thread.start()
+        self._launcher: Launcher | None = None
+        self._runtime: ActorRuntime | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self.client: EngineClient
+        try:
+            self._call(self._start(start_timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle ------------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _start(self, timeout: float) -> None:
+        actor = ClientActor(self.config)
+        if self._deployment is None:
+            self._launcher = Launcher(self.config, list(PIPELINE_ROLES), placement=self.placement)
+            await self._launcher.start(timeout)
+            address = self._launcher.new_address(actor.role)
+            transport = self._launcher.transport
+            book = dict(self._launcher.book)
+        else:
+            from .actors.runtime.supervisor import _free_port
+            from .actors.runtime.transport import ZmqTransport
+
+            transport = ZmqTransport()
+            address = f"tcp://127.0.0.1:{_free_port()}"
+            book = dict(self._deployment.addresses)
+        self._runtime = ActorRuntime(
+            actor,
+            address,
+            transport,
+            RuntimeOptions(request_timeout_s=self.config.deploy.request_timeout_s, book=book),
+        )
+        if self._launcher is not None:
+            self._launcher.attach(self._runtime)
+        self._serve_task = asyncio.create_task(self._runtime.serve())
+        await self._runtime.ready.wait()
+        self.client = EngineClient(actor)
+        if self._deployment is not None:
+            await self._wait_for_actors(timeout)
+
+    async def _wait_for_actors(self, timeout: float) -> None:
+        from .messages.control import Ping
+
+        assert self._runtime is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for role in PIPELINE_ROLES:
+            while True:
+                try:
+                    await self._runtime.request(role, Ping(), timeout=1.0)
+                    break
+                except ActorError:
+                    if loop.time() > deadline:
+                        raise TimeoutError(
+                            f"actor {role} did not answer within {timeout:g}s"
+                        ) from None
+
+    async def _stop(self) -> None:
+        if self._runtime is not None:
+            self._runtime.stop()
+        if self._serve_task is not None:
+            await asyncio.gather(self._serve_task, return_exceptions=True)
+        if self._launcher is not None:
+            await self._launcher.stop()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if self._thread.is_alive():
+            try:
+                self._call(self._stop())
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    # -- generation -------------------------------------------------------------
+    def _request(self, prompt: Prompt, sampling: SamplingParams, **kw: Any) -> GenerateRequest:
+        rid = kw.pop("rid", None) or self.client.new_rid()
+        if isinstance(prompt, str):
+            return GenerateRequest(rid=rid, text=prompt, sampling=sampling, **kw)
+        if prompt and isinstance(prompt[0], int):
+            return GenerateRequest(rid=rid, input_ids=list(prompt), sampling=sampling, **kw)  # type: ignore[arg-type]
+        messages = [
+            m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage) for m in prompt
+        ]
+        return GenerateRequest(rid=rid, messages=messages, sampling=sampling, **kw)
+
+    async def _collect(self, req: GenerateRequest) -> GenerateOutput:
+        text: list[str] = []
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        async for d in self.client.generate(req):
+            if d.error:
+                raise RequestFailed(d.error, d.error_code or 500)
+            text.append(d.text)
+            ids.extend(d.token_ids)
+            lps.extend(d.logprobs or [])
+            if d.finish_reason is not None:
+                usage = d.usage or Usage(0, len(ids), 0)
+                return GenerateOutput(
+                    "".join(text), ids, d.finish_reason, usage, d.matched_stop, lps
+                )
+        raise RequestFailed("the stream ended without a finish", 500)
+
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> Any:
+        """Text, token ids or chat messages in; a GenerateOutput (or a list, for a list
+        of prompts, run concurrently) out. A plain string is used as is; pass chat
+        messages (``[{"role": "user", "content": ...}]``) for the chat template."""
+        sampling = _sampling(sampling_params)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            reqs = [self._request(p, sampling, **kw) for p in prompt]  # type: ignore[arg-type]
+
+            async def many() -> list[GenerateOutput]:
+                return list(await asyncio.gather(*(self._collect(r) for r in reqs)))
+
+            return self._call(many())
+        return self._call(self._collect(self._request(prompt, sampling, **kw)))  # type: ignore[arg-type]
+
+    def chat(
+        self, content: str, sampling_params: SamplingParams | dict[str, Any] | None = None
+    ) -> GenerateOutput:
+        """One user turn through the model's chat template."""
+        return self.generate([{"role": "user", "content": content}], sampling_params)  # type: ignore[no-any-return]
+
+    async def agenerate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> GenerateOutput:
+        req = self._request(prompt, _sampling(sampling_params), **kw)
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._collect(req), self._loop)
+        )
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> AsyncIterator[TextDelta]:
+        """Deltas as they come, on the caller's loop; leaving early aborts the request."""
+        req = self._request(prompt, _sampling(sampling_params), **kw)
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue[TextDelta | BaseException | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for delta in self.client.generate(req):
+                    caller.call_soon_threadsafe(queue.put_nowait, delta)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                caller.call_soon_threadsafe(queue.put_nowait, exc)
+            finally:
+                caller.call_soon_threadsafe(queue.put_nowait, None)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not future.done():
+                future.cancel()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return self._call(self.client.stats())
+
+    def flush_cache(self) -> bool:
+        return self._call(self.client.flush_cache())

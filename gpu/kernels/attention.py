@@ -1,0 +1,25 @@
+"""The binding of ``cpu_decode.c``: paged decode attention read from the KV pages in place
+(used by the ``cpu`` attention backend, ``actorlm.gpu.attention.cpu``)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+from . import native
+
+__all__ = ["decode_kernel"]
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def decode_kernel() -> Any | None:
+    """The compiled ``actorlm_paged_decode``, or None where it cannot be built."""
+    lib = native.load(Path(__file__).with_name("cpu_decode.c"))
+    if lib is None:
+        return None
+    fn = lib.actorlm_paged_decode
+    fn.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn

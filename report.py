@@ -1,0 +1,54 @@
+"""``actorlm plugins``: what is installed and active, with where each piece came from."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+__all__ = ["print_plugins"]
+
+
+def print_plugins(out: TextIO) -> None:
+    from .extensions.hooks import HookRegistry
+    from .extensions.interceptors import interceptors
+    from .extensions.plugins import PlatformError, load_plugins
+    from .extensions.points import load_builtins
+    from .extensions.registry import all_registries
+
+    try:
+        report = load_plugins()
+    except PlatformError as exc:
+        report = exc.report
+    load_builtins()
+    for title, infos in (
+        ("Plugins (entry points actorlm.plugins):", report.plugins),
+        ("Platform plugins (entry points actorlm.platforms):", report.platforms),
+    ):
+        print(title, file=out)
+        for p in infos:
+            err = f"  error: {p.error}" if p.error else ""
+            print(f"  {p.name:<24} {p.status:<12} dist={p.dist or '?'}  {p.value}{err}", file=out)
+        if not infos:
+            print("  (none)", file=out)
+    active = report.platform or f"none ({report.platform_error})"
+    print(f"Active platform: {active}", file=out)
+    print("Registries:", file=out)
+    for reg in sorted(all_registries().values(), key=lambda r: r.kind):
+        flag = f" ({reg.flag})" if reg.flag else ""
+        print(f"  {reg.kind}{flag}:", file=out)
+        for entry in reg:
+            print(f"    {entry.name:<28} [{entry.source}]", file=out)
+    print("Hooks:", file=out)
+    hooks = HookRegistry.hooks()
+    for h in hooks:
+        print(f"  {h.type:<8} {h.target}  fn={h.fn}  [{h.source}] {h.status}", file=out)
+    if not hooks:
+        print("  (none)", file=out)
+    print("Message interceptors:", file=out)
+    chain = interceptors()
+    for i in chain:
+        typ = i.msg_type.__name__ if i.msg_type else "*"
+        print(f"  {i.role}:{typ}:{i.direction}  fn={i.name}  [{i.source}]", file=out)
+    if not chain:
+        print("  (none)", file=out)
+    for err in report.errors:
+        print(f"error: {err}", file=out)

@@ -1,0 +1,218 @@
+"""The public actor test harness, on real actors, the real codec and real interceptors."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+from actorlm.actors.runtime import Actor, RemoteError, handles
+from actorlm.actors.runtime.harness import ActorHarness, check_inbox
+from actorlm.config import EngineConfig
+from actorlm.extensions.interceptors import DROP, InterceptContext, Interceptor, Reject
+from actorlm.messages.control import Ack, Ping, Pong
+from actorlm.messages.envelope import Envelope, Kind
+
+from tests.actors.runtime.echo import Ask, Count, EchoActor, Gather, Item, RelayActor
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_every_declared_inbox_type_has_a_handler() -> None:
+    check_inbox(EchoActor)
+    check_inbox(RelayActor)
+
+    class Forgetful(Actor):
+        role = "forgetful"
+        inbox = (Ping, Count)
+
+        @handles(Ping)
+        async def on_ping(self, msg: Ping, env: Envelope) -> None:
+            return None
+
+    with pytest.raises(AssertionError, match="Count"):
+        check_inbox(Forgetful)
+
+
+def test_lifecycle_hooks_run_on_enter_and_exit() -> None:
+    async def main() -> RelayActor:
+        actor = RelayActor(EngineConfig())
+        async with ActorHarness(actor):
+            assert actor.events == ["start"]
+        return actor
+
+    assert run(main()).events == ["start", "stop"]
+
+
+def test_inject_and_capture_per_peer() -> None:
+    async def main() -> None:
+        async with ActorHarness(RelayActor(EngineConfig())) as h:
+            await h.send(Count(n=3), sender="client")
+            assert h.sent("sink") == [Item(i=0), Item(i=1), Item(i=2)]
+            assert h.sent_types("sink") == [Item, Item, Item]
+            assert h.sent("client") == []  # a send gets no reply
+            records = h.sent_records("sink")
+            assert {r.kind for r in records} == {Kind.SEND} and records[0].env.sender == "relay"
+            h.clear("sink")
+            assert h.sent() == []
+            # A request's reply is captured too, addressed to the injecting peer.
+            async with ActorHarness(EchoActor(EngineConfig())) as echo:
+                assert await echo.request(Ping(payload=b"x"), sender="gateway") == Pong(
+                    payload=b"x"
+                )
+                assert echo.sent("gateway") == [Pong(payload=b"x")]
+                assert echo.sent_records("gateway")[0].kind == Kind.REPLY
+
+    run(main())
+
+
+def test_scripted_peer_answers_the_actors_requests() -> None:
+    async def main() -> None:
+        async with ActorHarness(RelayActor(EngineConfig())) as h:
+            h.on("worker", Ping, lambda m: Pong(payload=m.payload * 2))
+            assert await h.request(Ask(to="worker", payload=b"abc"), sender="gateway") == Item(i=6)
+            assert h.sent_types("worker") == [Ping]
+
+            async def slow(m: Ping) -> Pong:
+                await asyncio.sleep(0)
+                return Pong(payload=b"async")
+
+            h.on("cache", Ping, slow)
+            assert await h.request(Ask(to="cache"), sender="gateway") == Item(i=5)
+
+            def broken(m: Ping) -> Pong:
+                raise ValueError("worker exploded")
+
+            h.on("worker", Ping, broken)
+            with pytest.raises(RemoteError, match="worker exploded"):
+                await h.request(Ask(to="worker"), sender="gateway")
+
+    run(main())
+
+
+def test_unscripted_request_is_answered_by_the_test() -> None:
+    async def main() -> None:
+        async with ActorHarness(RelayActor(EngineConfig())) as h:
+            pending = asyncio.create_task(h.request(Ask(to="worker"), sender="gateway"))
+            await h.settle()
+            [record] = h.sent_records("worker", kinds=[Kind.REQUEST])
+            assert not pending.done()
+            await h.reply(record, Pong(payload=b"four"))
+            assert await pending == Item(i=4)
+
+    run(main())
+
+
+def test_streaming_both_ways() -> None:
+    async def main() -> None:
+        async with ActorHarness(EchoActor(EngineConfig())) as h:
+            items = [m async for m in h.stream(Count(n=4), sender="gateway")]
+            assert items == [Item(i=i, pid=items[0].pid) for i in range(4)]  # type: ignore[attr-defined]
+        async with ActorHarness(RelayActor(EngineConfig())) as h:
+
+            async def counter(m: Count) -> Any:
+                for i in range(m.n):
+                    yield Item(i=i)
+
+            h.on("worker", Count, counter)
+            assert await h.request(Gather(to="worker", n=5), sender="gateway") == Item(i=10)
+            assert [r.kind for r in h.sent_records("gateway")] == [Kind.REPLY]
+
+    run(main())
+
+
+def guard(msg: Ping, ctx: InterceptContext) -> Ping | None:
+    if msg.payload == b"bad":
+        raise Reject("payload 'bad' is not allowed")
+    if msg.payload == b"quiet":
+        return DROP
+    if msg.payload.islower():
+        return msgspec.structs.replace(msg, payload=msg.payload.upper())
+    return None
+
+
+def stamp(msg: Pong, ctx: InterceptContext) -> Pong:
+    return Pong(payload=msg.payload + f"@{ctx.peer}".encode())
+
+
+def test_interceptor_rewrites_and_rejects() -> None:
+    async def main() -> None:
+        chain = [
+            Interceptor("echo", Ping, "in", guard, "test-plugin"),
+            Interceptor("echo", Pong, "out", stamp, "test-plugin"),
+        ]
+        async with ActorHarness(EchoActor(EngineConfig()), interceptors=chain) as h:
+            assert await h.request(Ping(payload=b"hi"), sender="gw") == Pong(payload=b"HI@gw")
+            with pytest.raises(RemoteError, match="payload 'bad' is not allowed") as info:
+                await h.request(Ping(payload=b"bad"), sender="gw")
+            assert info.value.code == "rejected" and info.value.status == 400
+            with pytest.raises(RemoteError, match="not allowed"):  # a plain send hears it too
+                await h.send(Ping(payload=b"bad"), sender="gw")
+            h.clear()
+            await h.send(Ping(payload=b"quiet"), sender="gw")  # dropped: no reply, no error
+            assert h.sent() == []
+
+    run(main())
+
+
+def test_peer_down_fails_the_actors_pending_request() -> None:
+    async def main() -> None:
+        actor = RelayActor(EngineConfig())
+        async with ActorHarness(actor) as h:
+            pending = asyncio.create_task(h.request(Ask(to="worker", timeout=30), sender="gw"))
+            await h.settle()
+            assert h.sent_types("worker") == [Ping]
+            await h.peer_down("worker", reason="SIGKILL")
+            with pytest.raises(RemoteError, match="SIGKILL") as info:
+                await pending
+            assert info.value.code == "actor_died"
+            assert actor.events[-1] == "down:worker"
+            with pytest.raises(RemoteError, match="down"):  # new calls fail at once
+                await h.request(Ask(to="worker", timeout=30), sender="gw")
+            await h.peer_up("worker")
+            h.on("worker", Ping, lambda m: Pong(payload=b"ok"))
+            assert await h.request(Ask(to="worker"), sender="gw") == Item(i=2)
+
+    run(main())
+
+
+def test_settle_runs_to_idle_without_sleeping() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        async with ActorHarness(RelayActor(EngineConfig())) as h:
+            start = loop.time()
+            await h.send(Count(n=200), sender="client", settle=False)
+            await h.settle()
+            elapsed = loop.time() - start
+            assert [m.i for m in h.sent("sink")] == list(range(200))  # type: ignore[attr-defined]
+            await h.settle()  # idle already: returns at once
+        return elapsed
+
+    assert run(main()) < 2.0
+
+
+def test_bad_frames_leave_the_actor_serving() -> None:
+    async def main() -> None:
+        async with ActorHarness(EchoActor(EngineConfig())) as h:
+            await h.inject_frames([b"\xc1nonsense", b""])
+            enc = msgspec.msgpack.encode
+            await h.inject_frames(
+                [
+                    enc(Envelope("test.count", 99, "gw", Kind.REQUEST, 0, "harness://gw")),
+                    enc({"n": "x"}),
+                ]
+            )
+            await h.settle()
+            [error] = h.sent("gw")
+            assert getattr(error, "code", "") == "bad_message" and "n" in getattr(
+                error, "message", ""
+            )
+            assert await h.request(Ping(), sender="gw") == Pong()
+            assert (
+                await h.request(Count(n=0), sender="gw") == Ack()
+            )  # an empty stream ends with its END marker
+
+    run(main())

@@ -1,0 +1,42 @@
+"""ZMQ inboxes deliver every message once, in order, whether it comes alone or in a burst."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from actorlm.actors.runtime.transport import ZmqTransport
+
+
+@pytest.mark.parametrize("burst", [1, 1000])
+def test_zmq_inbox_delivers_bursts_in_order(tmp_path: Path, burst: int) -> None:
+    async def main() -> list[list[bytes]]:
+        transport = ZmqTransport()
+        address = f"ipc://{tmp_path}/inbox.sock"
+        inbox = transport.bind(address)
+        outbox = transport.connect(address)
+        got: list[list[bytes]] = []
+        done = asyncio.Event()
+
+        def deliver(frames: list[bytes]) -> None:
+            got.append(frames)
+            if len(got) == 2 * burst:
+                done.set()
+
+        await outbox.send([b"early", b"0"])  # queued before anyone listens
+        inbox.listen(deliver)
+        for i in range(1, burst):
+            await outbox.send([b"first", str(i).encode()])
+        await asyncio.sleep(0.05)
+        for i in range(burst, 2 * burst):
+            await outbox.send([b"second", str(i).encode(), b"x" * 100_000])
+        await asyncio.wait_for(done.wait(), 10)
+        outbox.close()
+        inbox.close()
+        transport.close()
+        return got
+
+    got = asyncio.run(main())
+    assert [int(frames[1]) for frames in got] == list(range(2 * burst))
+    assert all(len(frames) == 3 and len(frames[2]) == 100_000 for frames in got[burst:])

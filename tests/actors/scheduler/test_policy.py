@@ -1,0 +1,147 @@
+"""The scheduler's policy driven step by step against the real KVCacheManager.
+
+No processes: the cache manager's answer is computed by the same code the actor
+runs, and the worker's by a deterministic stand-in for the model (the next
+token is a hash of the sequence so far), so every interleaving of aborts,
+finishes and retractions can be replayed exactly.
+"""
+
+from __future__ import annotations
+
+import random
+
+from actorlm.actors.cache.kv_cache import KVCacheManager
+from actorlm.actors.scheduler.policy import BatchPlanner
+from actorlm.config import SchedulerConfig
+from actorlm.messages.cache import Admitted, CacheStep, CacheStepResult
+from actorlm.messages.generate import TokenDelta, TokenizedRequest
+from actorlm.messages.sampling import SamplingParams
+from actorlm.messages.step import ForwardBatch, SeqResult, StepResult
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+PAGE = 4
+
+
+def apply(kv: KVCacheManager, step: CacheStep) -> CacheStepResult:
+    """What CacheManagerActor.on_step does (kept in sync by test_pipeline end to end)."""
+    for op in step.finishes:
+        if op.rid in kv:
+            kv.finish(op.rid, op.token_ids, op.cache)
+    for rid in step.releases:
+        kv.release(rid)
+    committed = {
+        op.rid: kv.cache_prefix(op.rid, op.token_ids) for op in step.commits if op.rid in kv
+    }
+    extended = {}
+    for ext in step.extends:
+        if ext.rid in kv:
+            pages = kv.extend(ext.rid, ext.num_pages)
+            if pages is not None:
+                extended[ext.rid] = pages
+    admitted = []
+    for op in step.admits:
+        got = kv.admit(op.rid, op.token_ids, op.extra_pages)
+        if got is None:
+            break
+        admitted.append(Admitted(op.rid, got.cached_len, got.page_ids))
+    return CacheStepResult(admitted=admitted, extended=extended, committed=committed)
+
+
+def model(batch: ForwardBatch, history: dict[str, list[int]]) -> StepResult:
+    results = []
+    for seq in batch.seqs:
+        known = history.setdefault(seq.rid, [])
+        del known[seq.start_pos :]
+        known.extend(seq.input_ids)
+        if seq.sample:
+            results.append(SeqResult(seq.rid, hash(tuple(known)) % 1000 + 10))
+    return StepResult(step_id=batch.step_id, results=results)
+
+
+def request(rid: str, prompt: list[int], n: int) -> TokenizedRequest:
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return TokenizedRequest(rid=rid, input_ids=prompt, sampling=sp)
+
+
+def run(
+    planner: BatchPlanner, kv: KVCacheManager, rng: random.Random, abort_p: float
+) -> dict[str, list[int]]:
+    history: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    ended: dict[str, str] = {}
+
+    def collect(deltas: list[TokenDelta]) -> None:
+        for d in deltas:
+            outputs.setdefault(d.rid, []).extend(d.token_ids)
+            if d.finish_reason:
+                ended[d.rid] = d.finish_reason
+
+    def maybe_abort() -> None:
+        live = list(planner.waiting) + list(planner.running)
+        if live and rng.random() < abort_p:
+            planner.abort(rng.choice(live))
+
+    for step_id in range(10_000):
+        collect(planner.take_deltas())
+        if not planner.has_work():
+            break
+        ops = planner.cache_ops()
+        maybe_abort()
+        if ops is not None:
+            planner.apply_cache(apply(kv, ops))
+        batch = planner.build_batch(step_id)
+        maybe_abort()
+        if batch.seqs:
+            collect(planner.on_result(batch, model(batch, history)))
+        kv.check_invariants()
+    assert not planner.has_work(), "the planner did not drain"
+    return {rid: outputs.get(rid, []) for rid in ended if ended[rid] == "length"}
+
+
+def make(num_pages: int, max_running: int = 8) -> tuple[BatchPlanner, KVCacheManager]:
+    cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=24)
+    planner = BatchPlanner(cfg, page_size=PAGE, num_pages=num_pages, max_model_len=4096)
+    return planner, KVCacheManager(num_pages, PAGE)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_pages=st.integers(16, 64),
+    abort_p=st.sampled_from([0.0, 0.05, 0.3]),
+)
+def test_every_page_comes_back_whatever_the_interleaving(
+    seed: int, num_pages: int, abort_p: float
+) -> None:
+    rng = random.Random(seed)
+    planner, kv = make(num_pages)
+    shared = [rng.randrange(1000) for _ in range(12)]
+    for i in range(12):
+        prompt = (shared if i % 2 else []) + [
+            rng.randrange(1000) for _ in range(rng.randint(1, 30))
+        ]
+        assert planner.add(request(f"r{i}", prompt, rng.randint(1, 12)), "tokenizer") is None
+    run(planner, kv, rng, abort_p)
+    kv.flush()
+    assert kv.allocator.num_free == num_pages, kv.stats()
+
+
+def test_retraction_keeps_outputs_identical() -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 20))] for _ in range(10)]
+    roomy, roomy_kv = make(512)
+    tight, tight_kv = make(12)
+    for i, p in enumerate(prompts):
+        roomy.add(request(f"r{i}", p, 16), "t")
+        tight.add(request(f"r{i}", p, 16), "t")
+    want = run(roomy, roomy_kv, rng, 0.0)
+    got = run(tight, tight_kv, rng, 0.0)
+    assert tight.stats["retractions"] > 0
+    assert got == want and len(got) == 10
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
+    planner, _ = make(4)
+    error = planner.add(request("big", list(range(40)), 8), "t")
+    assert error is not None and "KV cache" in error

@@ -1,0 +1,143 @@
+"""GGUF block formats (``--quantization gguf``): packing finds a GGUF's own blocks
+bit for bit, the C kernel against plain fp32 math, and a tiny model whose weights
+are block values against transformers on the same weights."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from actorlm.gpu.gguf_file import GGUFFile
+from actorlm.gpu.kernels.qgemm import QK, gemm, native_qgemm, pack
+from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, GGUFMethod, fbgemm_available
+from torch import nn
+
+from ..helpers import assert_matches_hf, hf_model, make_runner
+
+pytestmark = [
+    pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)"),
+    pytest.mark.skipif(native_qgemm() is None, reason="needs a C compiler"),
+]
+
+
+def blocks(shape: tuple[int, int], kind: str, seed: int = 0) -> torch.Tensor:
+    """A weight made of block values as llama.cpp writes them: fp16 scales (and
+    minimums), codes that reach both ends of their range in every block."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = shape
+    nb = k // QK
+    d = (torch.rand(n, nb, 1, generator=g) * 0.05 + 0.01).half().float()
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (n, nb, QK), generator=g)
+        q[..., 0], q[..., 1] = 0, 15
+        m = (-7.5 * d + torch.randn(n, nb, 1, generator=g) * 0.01).half().float()
+        w = q.float() * d + m
+    else:
+        q = torch.randint(-127, 128, (n, nb, QK), generator=g)
+        q[..., 3] = 127
+        w = q.float() * d
+    return w.reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_pack_rebuilds_block_weights_exactly(kind: str) -> None:
+    w = blocks((70, 96), kind)
+    packed = pack(w)
+    assert packed is not None and packed.kind == kind and packed.shape == (70, 96)
+    assert torch.equal(packed.dequantize(), w)
+
+
+def test_weights_of_other_formats_do_not_pack() -> None:
+    torch.manual_seed(0)
+    assert pack(torch.randn(8, 64)) is None  # full precision
+    assert pack(torch.randn(8, 64).half().float()) is None  # F16
+    assert pack(blocks((8, 64), "q4_1")[:, :40]) is None  # not whole blocks
+    inf = blocks((4, 64), "q8_0")
+    inf[0, 0] = float("inf")
+    assert pack(inf) is None
+
+
+def test_pack_finds_the_default_gguf_blocks(default_gguf: Path) -> None:
+    f = GGUFFile(default_gguf)
+    name = "blk.3.ffn_down.weight"  # Q4_1: per block fp16 d, fp16 m, 16 bytes of nibbles
+    packed = pack(torch.from_numpy(f.dequantize(name).copy()))
+    assert packed is not None and packed.kind == "q4_1"
+    raw = f.raw(name).reshape(-1, 20)
+    d, m = packed.scales()
+    assert m is not None
+    assert np.array_equal(d.numpy().ravel(), raw[:, 0:2].view(np.float16).ravel())
+    assert np.array_equal(m.numpy().ravel(), raw[:, 2:4].view(np.float16).ravel())
+    codes, qs = packed.codes().numpy().reshape(-1, QK), raw[:, 4:]
+    assert np.array_equal(codes[:, :16], qs & 15) and np.array_equal(codes[:, 16:], qs >> 4)
+    embd = pack(torch.from_numpy(f.dequantize("token_embd.weight")[:512].copy()))
+    assert embd is not None and embd.kind == "q8_0"
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_kernel_is_fp32_math_on_the_block_weights(kind: str) -> None:
+    w = blocks((77, 160), kind, seed=1)  # 77 rows: groups of 8 and a part one
+    packed = pack(w)
+    assert packed is not None
+    torch.manual_seed(0)
+    for rows in (1, 2, 3, 5, 8, 9, 17):  # tiles of 8 and every tail
+        x = torch.randn(rows, 160)
+        got = gemm(x, packed)
+        assert got is not None
+        torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
+    wide = torch.randn(4, 200)
+    strided = wide[:, 20:180]  # row stride 200
+    got = gemm(strided, packed)
+    assert got is not None
+    torch.testing.assert_close(got, strided @ w.T, rtol=1e-5, atol=1e-4)
+    assert gemm(strided.double(), packed) is None
+    assert gemm(torch.randn(160, 4).t(), packed) is None  # column-major
+    with pytest.raises(ValueError, match="columns"):
+        gemm(torch.randn(2, 64), packed)
+
+
+def test_layer_runs_the_kernel_for_small_batches_and_fp16_for_large() -> None:
+    w, b = blocks((64, 96), "q4_1"), torch.randn(64)
+    layer = GGUFMethod().convert(w, b)
+    assert isinstance(layer, GGUFLinear)
+    small = torch.randn(GGUFLinear.KERNEL_MAX_ROWS, 96)
+    assert torch.equal(layer(small), gemm(small, layer.packed) + b)  # the kernel's result
+    torch.testing.assert_close(layer(small), F.linear(small, w, b), rtol=1e-5, atol=1e-4)
+    large = torch.randn(GGUFLinear.KERNEL_MAX_ROWS + 1, 96)
+    assert torch.equal(layer(large), layer.dense(large))
+    assert isinstance(GGUFMethod().convert(torch.randn(64, 96), b), Fp16Linear)
+
+
+def _block_model(src: Path, out: Path) -> Path:
+    """``src`` (a tiny HF model) with every linear weight made Q4_1 block values and
+    the embedding (the tied LM head) Q8_0, saved to ``out``."""
+    model = hf_model(src)
+    with torch.no_grad():
+        for i, module in enumerate(model.modules()):
+            if isinstance(module, nn.Linear) and module is not model.lm_head:
+                module.weight.copy_(blocks(tuple(module.weight.shape), "q4_1", seed=i))
+        emb = model.get_input_embeddings().weight
+        emb.copy_(blocks(tuple(emb.shape), "q8_0", seed=99))
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_gguf_method_matches_transformers_on_block_weights(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    # every batch through the kernel, so the whole run computes with the exact weights
+    monkeypatch.setattr(GGUFLinear, "KERNEL_MAX_ROWS", 1 << 30)
+    runner = make_runner(path, quantization="gguf")
+    layers = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
+    assert len(layers) == 4 * runner.info.num_layers + 1  # qkv, o, gate_up, down; the head
+    assert runner.model.head.packed.kind == "q8_0"
+    ref = hf_model(path)
+    assert_matches_hf(runner, ref, [list(range(100, 141)), [5, 17, 923, 4, 4, 88, 1200, 31, 7]])
