@@ -25,8 +25,9 @@ from .actors.runtime import ActorError, ActorRuntime, RuntimeOptions
 from .actors.runtime.supervisor import Launcher
 from .config import EngineConfig
 from .launch import config_from_options, load_deployment, resolve_config
+from .messages.errors import ErrorCode
 from .messages.generate import ChatMessage, GenerateRequest, TextDelta, TokenLogprob, Usage
-from .messages.sampling import SamplingParams
+from .messages.sampling import SamplingParams, check_sampling
 
 __all__ = ["Engine", "GenerateOutput"]
 
@@ -101,11 +102,10 @@ class Engine:
             transport = self._launcher.transport
             book = dict(self._launcher.book)
         else:
-            from .actors.runtime.supervisor import _free_port
-            from .actors.runtime.transport import ZmqTransport
+            from .actors.runtime.transport import ZmqTransport, free_port
 
             transport = ZmqTransport()
-            address = f"tcp://127.0.0.1:{_free_port()}"
+            address = f"tcp://127.0.0.1:{free_port()}"
             book = dict(self._deployment.addresses)
         self._runtime = ActorRuntime(
             actor,
@@ -120,6 +120,7 @@ class Engine:
         self.client = EngineClient(actor)
         if self._deployment is not None:
             await self._wait_for_actors(timeout)
+        self.vocab_size = int((await self.client.info("worker")).get("vocab_size", 0))
 
     async def _wait_for_actors(self, timeout: float) -> None:
         from .messages.control import Ping
@@ -171,6 +172,12 @@ class Engine:
 
     # -- generation -------------------------------------------------------------
     def _request(self, prompt: Prompt, sampling: SamplingParams, **kw: Any) -> GenerateRequest:
+        try:
+            check_sampling(
+                sampling, self.vocab_size
+            )  # this edge's check, as HTTP's is the gateway's
+        except ValueError as exc:
+            raise RequestFailed(str(exc), ErrorCode.INVALID_REQUEST) from None
         rid = kw.pop("rid", None) or self.client.new_rid()
         if isinstance(prompt, str):
             return GenerateRequest(rid=rid, text=prompt, sampling=sampling, **kw)
@@ -187,7 +194,9 @@ class Engine:
         lps: list[TokenLogprob] = []
         async for d in self.client.generate(req):
             if d.error:
-                raise RequestFailed(d.error, d.error_code or 500)
+                raise RequestFailed(
+                    d.error or "the request failed", d.error_code or ErrorCode.INTERNAL
+                )
             text.append(d.text)
             ids.extend(d.token_ids)
             lps.extend(d.logprobs or [])
@@ -196,7 +205,7 @@ class Engine:
                 return GenerateOutput(
                     "".join(text), ids, d.finish_reason, usage, d.matched_stop, lps
                 )
-        raise RequestFailed("the stream ended without a finish", 500)
+        raise RequestFailed("the stream ended without a finish")
 
     def generate(
         self,

@@ -10,7 +10,7 @@ __all__ = ["print_plugins"]
 def print_plugins(out: TextIO) -> None:
     from .extensions.hooks import HookRegistry
     from .extensions.interceptors import interceptors
-    from .extensions.plugins import PlatformError, load_plugins
+    from .extensions.plugins import PlatformError, current_platform, load_plugins
     from .extensions.points import load_builtins
     from .extensions.registry import all_registries
 
@@ -31,10 +31,14 @@ def print_plugins(out: TextIO) -> None:
             print("  (none)", file=out)
     active = report.platform or f"none ({report.platform_error})"
     print(f"Active platform: {active}", file=out)
+    if report.platform:
+        for key, value in current_platform().describe().items():
+            print(f"  {key}: {value}", file=out)
     print("Registries:", file=out)
     for reg in sorted(all_registries().values(), key=lambda r: r.kind):
         flag = f" ({reg.flag})" if reg.flag else ""
-        print(f"  {reg.kind}{flag}:", file=out)
+        unused = f" not used yet: {reg.unused}" if reg.unused else ""
+        print(f"  {reg.kind}{flag}:{unused}", file=out)
         for entry in reg:
             print(f"    {entry.name:<28} [{entry.source}]", file=out)
     print("Hooks:", file=out)

@@ -22,8 +22,8 @@ from aiohttp import web
 from .actors.client import PIPELINE_ROLES, ClientActor, EngineClient
 from .actors.runtime import ActorError, ActorRuntime, RuntimeOptions
 from .actors.runtime.process import event_loop_runner, setup_logging
-from .actors.runtime.supervisor import Launcher, _free_port
-from .actors.runtime.transport import ZmqTransport
+from .actors.runtime.supervisor import Launcher
+from .actors.runtime.transport import ZmqTransport, free_port
 from .config import EngineConfig
 from .gateway.app import build_app
 from .gateway.params import ModelLimits
@@ -108,7 +108,7 @@ def _client_runtime(
         return launcher, runtime
     deployment = load_deployment(deploy, config)
     options.book = dict(deployment.addresses)
-    address = f"tcp://{config.server.host}:{_free_port(config.server.host)}"
+    address = f"tcp://{config.server.host}:{free_port(config.server.host)}"
     return None, ActorRuntime(actor, address, ZmqTransport(), options)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..messages.control import ErrorReply, FlushCache, GetInfo, GetStats, Info, Stats
 from ..messages.envelope import Envelope
+from ..messages.errors import HTTP_STATUS, ErrorCode, code_for_status
 from ..messages.generate import AbortRequest, GenerateRequest, TextBatch, TextDelta
 from .runtime import Actor, ActorError, handles
 
@@ -28,11 +29,16 @@ PIPELINE_ROLES = ("tokenizer", "scheduler", "cache_manager", "worker")
 
 
 class RequestFailed(Exception):
-    """A generate request ended with an error; ``status`` is HTTP-like (400, 413, 503...)."""
+    """A generate request ended with an error: ``code`` says why, ``status`` is its HTTP
+    status (400, 413, 503...)."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         super().__init__(message)
-        self.status = status
+        self.code = code
+
+    @property
+    def status(self) -> int:
+        return HTTP_STATUS[self.code]
 
 
 class ClientActor(Actor):
@@ -52,10 +58,10 @@ class ClientActor(Actor):
             if queue is not None:
                 queue.put_nowait(delta)
 
-    def fail_all(self, message: str, status: int = 503) -> None:
+    def fail_all(self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
         for rid, queue in self.streams.items():
             queue.put_nowait(
-                TextDelta(rid=rid, finish_reason="error", error=message, error_code=status)
+                TextDelta(rid=rid, finish_reason="error", error=message, error_code=code)
             )
 
     async def on_peer_down(self, role: str, reason: str) -> None:
@@ -71,7 +77,7 @@ class ClientActor(Actor):
                     rid=rid or "",
                     finish_reason="error",
                     error=error.message,
-                    error_code=error.status,
+                    error_code=code_for_status(error.status),
                 )
             )
 
@@ -95,7 +101,9 @@ class EngineClient:
         """Yield deltas until one has ``finish_reason``. Errors come as a final delta
         with ``finish_reason="error"``; closing the iterator early aborts the request."""
         if req.rid in self.actor.streams:
-            raise RequestFailed(f"request id {req.rid!r} is already in flight", 400)
+            raise RequestFailed(
+                f"request id {req.rid!r} is already in flight", ErrorCode.INVALID_REQUEST
+            )
         queue: asyncio.Queue[TextDelta] = asyncio.Queue()
         self.actor.streams[req.rid] = queue
         finished = False
@@ -104,7 +112,7 @@ class EngineClient:
             try:
                 msg_id = await self.actor.send(self.tokenizer, req)
             except ActorError as exc:
-                raise RequestFailed(str(exc), exc.status) from None
+                raise RequestFailed(str(exc), code_for_status(exc.status)) from None
             self.actor.sent[msg_id] = req.rid
             while True:
                 delta = await queue.get()

@@ -32,13 +32,17 @@ __all__ = [
 MODELS: Registry[Any] = get_registry("model architecture", "config.json architectures")
 ATTENTION_BACKENDS: Registry[Any] = get_registry("attention backend", "--attention-backend")
 WEIGHT_LOADERS: Registry[Any] = get_registry("weight loader", "--load-format")
-GRAMMAR_BACKENDS: Registry[Any] = get_registry("grammar backend", "--grammar-backend")
+# Declared for plugins to fill, but no part of the engine reads them yet: no flag selects
+# from them until structured output and the LoRA loader land.
+GRAMMAR_BACKENDS: Registry[Any] = get_registry(
+    "grammar backend", unused="structured output is not built yet"
+)
 EVICTION_POLICIES: Registry[Any] = get_registry("KV eviction policy", "--eviction-policy")
 HICACHE_STORAGE: Registry[Any] = get_registry(
     "HiCache storage backend", "--hicache-storage-backend"
 )
 LORA_EVICTION_POLICIES: Registry[Any] = get_registry(
-    "LoRA eviction policy", "--lora-eviction-policy"
+    "LoRA eviction policy", unused="the LoRA loader is not built yet"
 )
 LOGIT_PROCESSORS: Registry[Any] = get_registry(
     "logit processor", "sampling_params.logit_processors"

@@ -68,9 +68,11 @@ class RegistryEntry(Generic[T]):
 class Registry(Generic[T]):
     """Name → implementation for one extension point (``kind``), selectable by ``flag``."""
 
-    def __init__(self, kind: str, flag: str = "") -> None:
+    def __init__(self, kind: str, flag: str = "", *, unused: str = "") -> None:
         self.kind = kind
         self.flag = flag
+        # Why nothing consults this registry yet (its feature is not built); "" = in use.
+        self.unused = unused
         self._entries: dict[str, RegistryEntry[T]] = {}
 
     def register(
@@ -125,7 +127,7 @@ class Registry(Generic[T]):
 _REGISTRIES: dict[str, Registry[Any]] = {}
 
 
-def get_registry(kind: str, flag: str = "") -> Registry[Any]:
+def get_registry(kind: str, flag: str = "", *, unused: str = "") -> Registry[Any]:
     """The process-wide registry for ``kind``, created on first use.
 
     Registries are the one piece of process state by design: plugins fill them in
@@ -133,7 +135,7 @@ def get_registry(kind: str, flag: str = "") -> Registry[Any]:
     """
     reg = _REGISTRIES.get(kind)
     if reg is None:
-        reg = _REGISTRIES[kind] = Registry(kind, flag)
+        reg = _REGISTRIES[kind] = Registry(kind, flag, unused=unused)
     elif flag and not reg.flag:
         reg.flag = flag
     return reg

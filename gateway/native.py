@@ -15,7 +15,7 @@ from aiohttp import web
 from ..messages.generate import GenerateRequest, TextDelta, TokenLogprob
 from ..messages.sampling import SamplingParams
 from .errors import ApiError
-from .params import Fields, checked_sampling, native_sampling, read_json
+from .params import Fields, checked_sampling, fan_out, native_sampling, read_json
 from .state import STATE, GatewayState
 from .streams import Fanout, SseWriter, delta_error
 
@@ -57,13 +57,7 @@ def parse_generate(body: Any, state: GatewayState) -> NativeJob:
         sampling, logprobs=return_logprob, top_logprobs=top if return_logprob else 0
     )
     sampling = checked_sampling(sampling, state.limits)
-    reqs = []
-    for i in range(sampling.n):
-        seed = None if sampling.seed is None else sampling.seed + i
-        params = msgspec.structs.replace(sampling, n=1, seed=seed)
-        reqs.append(
-            GenerateRequest(rid=rid if sampling.n == 1 else f"{rid}-{i}", sampling=params, **prompt)
-        )
+    reqs = fan_out(rid, sampling, [prompt], sampling.n, bare_single=True)
     return NativeJob(
         rid=rid, stream=bool(f.bool("stream", False)), return_logprob=return_logprob, reqs=reqs
     )
@@ -182,6 +176,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "ready": state.ready,
         "draining": state.draining,
         "served_model_name": state.model_name,
+        "platform": state.model_facts.get("platform"),  # the worker's Platform.describe()
         "config": config,
         "in_flight": 0,
         "stats": {},

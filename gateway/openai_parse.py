@@ -13,12 +13,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from ..messages.generate import ChatMessage, GenerateRequest
 from ..messages.sampling import SamplingParams
 from .errors import ApiError
-from .params import Fields, ModelLimits, checked_sampling, openai_sampling
+from .params import Fields, ModelLimits, checked_sampling, fan_out, openai_sampling
 from .state import GatewayState
 
 __all__ = ["Job", "parse_chat", "parse_completion"]
@@ -75,16 +73,6 @@ def _max_tokens(f: Fields, keys: tuple[str, ...], default: int, limits: ModelLim
     return min(default, limits.max_model_len)
 
 
-def _fan_out(job: Job, sampling: SamplingParams, prompts: list[dict[str, Any]]) -> None:
-    for p, prompt in enumerate(prompts):
-        for i in range(job.n):
-            seed = None if sampling.seed is None else sampling.seed + i
-            params = msgspec.structs.replace(sampling, seed=seed)
-            job.reqs.append(
-                GenerateRequest(rid=f"{job.id}-{p * job.n + i}", sampling=params, **prompt)
-            )
-
-
 def _reject_unsupported(f: Fields, n: int) -> None:
     """Completions options we do not implement: an error beats silently ignoring them."""
     for name, used in (
@@ -131,7 +119,7 @@ def parse_completion(body: Any, state: GatewayState) -> Job:
     sampling = openai_sampling(
         f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
     )
-    _fan_out(job, checked_sampling(sampling, state.limits), prompts)
+    job.reqs = fan_out(job.id, checked_sampling(sampling, state.limits), prompts, job.n)
     return job
 
 
@@ -203,5 +191,5 @@ def parse_chat(body: Any, state: GatewayState) -> Job:
         "add_generation_prompt": bool(f.bool("add_generation_prompt", True)),
         "chat_template_kwargs": dict(kwargs.body) if kwargs is not None else {},
     }
-    _fan_out(job, checked_sampling(sampling, state.limits), [prompt])
+    job.reqs = fan_out(job.id, checked_sampling(sampling, state.limits), [prompt], job.n)
     return job

@@ -1,9 +1,9 @@
 """Typed reading of request bodies, and their sampling settings.
 
 Request JSON is untrusted: every field is type-checked here so a wrong type is
-a 400 naming the field, never a crash deeper down. Ranges are checked by the
-same ``validate_sampling`` the worker uses, so the gateway and the sampler can
-never disagree on what is servable.
+a 400 naming the field, never a crash deeper down. Ranges are checked here,
+where HTTP requests enter, by ``check_sampling`` (torch-free, beside the struct it
+checks); logit processors check their parameters where they are built, in the worker.
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from ..gpu.sampling import validate_sampling
-from ..messages.sampling import LogitProcessorSpec, SamplingParams
+from ..messages.generate import GenerateRequest
+from ..messages.sampling import LogitProcessorSpec, SamplingParams, check_sampling
 from .errors import ApiError
 
 __all__ = [
     "Fields",
     "ModelLimits",
     "checked_sampling",
+    "fan_out",
     "native_sampling",
     "openai_sampling",
     "read_json",
@@ -304,10 +306,33 @@ def checked_sampling(params: SamplingParams, limits: ModelLimits) -> SamplingPar
             param="max_tokens",
         )
     try:
-        validate_sampling(params, limits.vocab_size)
+        check_sampling(params, limits.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from None
     return params
+
+
+def fan_out(
+    rid: str,
+    sampling: SamplingParams,
+    prompts: list[dict[str, Any]],
+    n: int,
+    *,
+    bare_single: bool = False,
+) -> list[GenerateRequest]:
+    """One GenerateRequest per prompt and choice, ``{rid}-{index}`` in order (just ``rid``
+    for a lone request when ``bare_single``). Choice ``i`` draws with ``seed + i``, so
+    seeded choices differ from one another and each is reproducible."""
+    reqs = []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            seed = None if sampling.seed is None else sampling.seed + i
+            params = msgspec.structs.replace(sampling, n=1, seed=seed)
+            one = bare_single and n * len(prompts) == 1
+            reqs.append(
+                GenerateRequest(rid=rid if one else f"{rid}-{p * n + i}", sampling=params, **prompt)
+            )
+    return reqs
 
 
 async def read_json(request: web.Request, limit: int) -> Any:

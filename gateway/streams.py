@@ -21,24 +21,35 @@ from aiohttp import web
 
 from ..actors.client import EngineClient, RequestFailed
 from ..actors.runtime import ActorError
+from ..messages.errors import HTTP_STATUS, ErrorCode, code_for_status
 from ..messages.generate import GenerateRequest, TextDelta
 from .errors import ApiError
 from .metrics import GatewayMetrics
 
-__all__ = ["Fanout", "SseWriter", "delta_error", "failure_error"]
+__all__ = ["Fanout", "SseWriter", "code_error", "delta_error", "failure_error"]
+
+
+# Seconds a client is told to wait before retrying a request the engine could not take.
+RETRY_AFTER_S = 2
+
+
+def code_error(code: ErrorCode, message: str) -> ApiError:
+    """The ApiError for a pipeline error ``code``: its HTTP status, and Retry-After
+    where trying again later can succeed."""
+    status = HTTP_STATUS[code]
+    retry = code in (ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+    return ApiError(status, message, code=code.value, headers=headers)
 
 
 def delta_error(delta: TextDelta) -> ApiError:
-    """The ApiError an error delta stands for (a client's fault keeps its 4xx status)."""
-    status = delta.error_code or 500
-    message = delta.error or "the request failed"
-    code = "context_length_exceeded" if status in (400, 413) and "context" in message else None
-    return ApiError(status, message, code=code)
+    """The ApiError an error delta stands for."""
+    return code_error(delta.error_code or ErrorCode.INTERNAL, delta.error or "the request failed")
 
 
 def failure_error(exc: BaseException) -> ApiError:
     if isinstance(exc, RequestFailed):
-        return ApiError(exc.status, str(exc))
+        return code_error(exc.code, str(exc))
     if isinstance(exc, ActorError):
         return ApiError(exc.status, str(exc), code=exc.code)
     return ApiError(500, f"internal error: {type(exc).__name__}")
@@ -90,7 +101,10 @@ class Fanout:
                 (
                     index,
                     TextDelta(
-                        rid=req.rid, finish_reason="error", error=err.message, error_code=err.status
+                        rid=req.rid,
+                        finish_reason="error",
+                        error=err.message,
+                        error_code=code_for_status(err.status),
                     ),
                 )
             )

@@ -14,7 +14,7 @@ from actorlm.config import ModelConfig
 from actorlm.extensions.plugins import current_platform
 from actorlm.extensions.points import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from actorlm.extensions.registry import import_object
-from actorlm.messages.step import ForwardBatch, StepResult
+from actorlm.messages.step import ForwardBatch, SeqError, SeqStep, StepResult
 
 from . import attention  # noqa: F401  (registers the built-in backends)
 from .forward_meta import ForwardMeta, SeqSpec
@@ -81,31 +81,40 @@ class ModelRunner:
         )
         from .sampling import Sampler
 
-        self.sampler = Sampler(info.vocab_size, list(info.eos_token_ids), self.device)
+        self.sampler = Sampler(info.vocab_size, self.device)
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
         t0 = time.perf_counter()
         for rid in batch.release:
             self.sampler.release(rid)
+        errors: list[SeqError] = []
+        seqs = batch.seqs
         for s in batch.seqs:
             if s.init is not None:
-                self.sampler.add(s.rid, s.init)
+                try:
+                    self.sampler.add(s.rid, s.init)  # builds its logit processors
+                except ValueError as exc:
+                    errors.append(SeqError(s.rid, str(exc)))
+        if errors:
+            failed = {e.rid for e in errors}
+            seqs = [s for s in seqs if s.rid not in failed]
         results = []
-        rids = [s.rid for s in batch.seqs if s.sample]
-        if batch.seqs:
-            logits = self.forward_logits(batch)
+        rids = [s.rid for s in seqs if s.sample]
+        if seqs:
+            logits = self.forward_logits(seqs)
             if rids:
                 results = self.sampler.sample(rids, logits)
         return StepResult(
-            step_id=batch.step_id, results=results, forward_ms=(time.perf_counter() - t0) * 1e3
+            step_id=batch.step_id,
+            results=results,
+            errors=errors,
+            forward_ms=(time.perf_counter() - t0) * 1e3,
         )
 
-    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""
-        return self.run(
-            [SeqSpec(s.input_ids, s.start_pos, s.page_ids, s.sample) for s in batch.seqs]
-        )
+        return self.run([SeqSpec(s.input_ids, s.start_pos, s.page_ids, s.sample) for s in seqs])
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSpec]) -> torch.Tensor:

@@ -23,7 +23,6 @@ equal outputs unless the scheduler gives each its own seed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,62 +32,10 @@ from ..messages.sampling import SamplingParams
 from ..messages.step import SeqInit, SeqResult, TopLogprob
 from .logit_processors import LogitProcessor, build_processors
 
-__all__ = ["MAX_TOP_LOGPROBS", "Sampler", "validate_sampling"]
+__all__ = ["Sampler"]
 
-MAX_TOP_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
-
-
-def _check_scalars(p: SamplingParams, vocab_size: int) -> None:
-    def require(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ValueError(msg)
-
-    # Written as "not (x in range)" forms so that NaN fails every check.
-    require(
-        p.temperature >= 0 and math.isfinite(p.temperature),
-        f"temperature must be >= 0, got {p.temperature}",
-    )
-    require(0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}")
-    require(p.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {p.top_k}")
-    require(0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}")
-    require(
-        p.repetition_penalty > 0 and math.isfinite(p.repetition_penalty),
-        f"repetition_penalty must be > 0, got {p.repetition_penalty}",
-    )
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(p, name)
-        require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
-    for tok, bias in p.logit_bias.items():
-        require(
-            0 <= tok < vocab_size,
-            f"logit_bias token id {tok} is outside the vocabulary (size {vocab_size})",
-        )
-        require(
-            -100 <= bias <= 100, f"logit_bias for token {tok} must be in [-100, 100], got {bias}"
-        )
-    for tok in p.stop_token_ids:
-        require(
-            0 <= tok < vocab_size,
-            f"stop_token_ids: {tok} is outside the vocabulary (size {vocab_size})",
-        )
-    require(
-        0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
-        f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}",
-    )
-    require(p.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
-    require(
-        0 <= p.min_new_tokens <= p.max_new_tokens,
-        f"min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {p.min_new_tokens}",
-    )
-    require(p.n >= 1, f"n must be >= 1, got {p.n}")
-
-
-def validate_sampling(params: SamplingParams, vocab_size: int) -> None:
-    """Raise ``ValueError`` with a client-facing message if ``params`` cannot be served."""
-    _check_scalars(params, vocab_size)
-    build_processors(params.logit_processors, vocab_size)
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -207,9 +154,8 @@ class _Seq:
 class Sampler:
     """Per-sequence sampling state plus the batched sampling step (see module doc)."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self._seqs: dict[str, _Seq] = {}
         self._pool = _PenaltyPool(vocab_size, self.device)
@@ -221,17 +167,17 @@ class Sampler:
         return rid in self._seqs
 
     def add(self, rid: str, init: SeqInit) -> None:
-        """(Re)start ``rid``; raises ``ValueError`` for parameters ``validate_sampling`` rejects."""
+        """(Re)start ``rid``. Its parameters were checked at the edge (``check_sampling``);
+        its logit processors are built here, and ``ValueError`` says why one refused."""
         self.release(rid)
         p = init.sampling
-        _check_scalars(p, self.vocab_size)
         procs = build_processors(p.logit_processors, self.vocab_size)
         seq = _Seq(
             params=p,
             generated=len(init.token_ids) - init.prompt_len,
             processors=procs,
             tokens=list(init.token_ids) if procs else None,
-            min_ban=self._min_ban(p),
+            min_ban=self._min_ban(init),
             bias_ids=list(p.logit_bias),
             bias_values=[float(v) for v in p.logit_bias.values()],
         )
@@ -244,12 +190,11 @@ class Sampler:
         seq.plain = p.greedy and seq.slot < 0 and not (procs or seq.bias_ids or seq.want_logprobs)
         self._seqs[rid] = seq
 
-    def _min_ban(self, p: SamplingParams) -> list[int]:
-        if p.min_new_tokens <= 0:
+    def _min_ban(self, init: SeqInit) -> list[int]:
+        if init.sampling.min_new_tokens <= 0:
             return []
-        return sorted(
-            t for t in {*self.eos_token_ids, *p.stop_token_ids} if 0 <= t < self.vocab_size
-        )
+        stops = {*init.eos_token_ids, *init.sampling.stop_token_ids}
+        return sorted(t for t in stops if 0 <= t < self.vocab_size)
 
     def release(self, rid: str) -> None:
         seq = self._seqs.pop(rid, None)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from .base import Message
+from .errors import ErrorCode
 from .sampling import SamplingParams
 from .step import TopLogprob
 
@@ -58,21 +59,22 @@ class TokenizedRequest(Message, frozen=True, kw_only=True):
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    eos_token_ids: list[int] = []  # the model's, from its tokenizer: stops unless ignore_eos
     priority: int = 0
     lora_path: str | None = None
     arrival_time: float = 0.0
 
 
-class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     rid: str
-    token_ids: list[int]
+    token_ids: list[int] = []
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
-    error_code: int = 0  # an HTTP status for errors the client caused (400, 413, ...)
+    error_code: ErrorCode | None = None  # set with ``error``
 
 
 class TokenBatch(Message, frozen=True, kw_only=True):
@@ -106,7 +108,7 @@ class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     matched_stop: str | int | None = None
     usage: Usage | None = None
     error: str | None = None
-    error_code: int = 0
+    error_code: ErrorCode | None = None  # set with ``error``
 
 
 class TextBatch(Message, frozen=True, kw_only=True):

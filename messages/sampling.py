@@ -1,12 +1,16 @@
-"""Sampling parameters: one frozen struct shared by every actor that touches a request."""
+"""Sampling parameters: one frozen struct shared by every actor that touches a request,
+and the ranges it allows (checked once, where a request enters the engine)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
-__all__ = ["LogitProcessorSpec", "SamplingParams"]
+__all__ = ["MAX_TOP_LOGPROBS", "LogitProcessorSpec", "SamplingParams", "check_sampling"]
+
+MAX_TOP_LOGPROBS = 20
 
 
 class LogitProcessorSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,3 +50,52 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+
+def check_sampling(p: SamplingParams, vocab_size: int) -> None:
+    """Raise ``ValueError`` with a client-facing message unless ``p`` can be served by a
+    model of ``vocab_size`` tokens. Run once, where a request enters (the gateway, the
+    Python Engine); logit processors check their own parameters where they are built."""
+
+    def require(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    # Written as "not (x in range)" forms so that NaN fails every check.
+    require(
+        p.temperature >= 0 and math.isfinite(p.temperature),
+        f"temperature must be >= 0, got {p.temperature}",
+    )
+    require(0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}")
+    require(p.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {p.top_k}")
+    require(0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}")
+    require(
+        p.repetition_penalty > 0 and math.isfinite(p.repetition_penalty),
+        f"repetition_penalty must be > 0, got {p.repetition_penalty}",
+    )
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(p, name)
+        require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+    for tok, bias in p.logit_bias.items():
+        require(
+            0 <= tok < vocab_size,
+            f"logit_bias token id {tok} is outside the vocabulary (size {vocab_size})",
+        )
+        require(
+            -100 <= bias <= 100, f"logit_bias for token {tok} must be in [-100, 100], got {bias}"
+        )
+    for tok in p.stop_token_ids:
+        require(
+            0 <= tok < vocab_size,
+            f"stop_token_ids: {tok} is outside the vocabulary (size {vocab_size})",
+        )
+    require(
+        0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
+        f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}",
+    )
+    require(p.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
+    require(
+        0 <= p.min_new_tokens <= p.max_new_tokens,
+        f"min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {p.min_new_tokens}",
+    )
+    require(p.n >= 1, f"n must be >= 1, got {p.n}")

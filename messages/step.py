@@ -9,7 +9,16 @@ import msgspec
 from .base import Message
 from .sampling import SamplingParams
 
-__all__ = ["ForwardBatch", "PageIO", "SeqInit", "SeqResult", "SeqStep", "StepResult", "TopLogprob"]
+__all__ = [
+    "ForwardBatch",
+    "PageIO",
+    "SeqError",
+    "SeqInit",
+    "SeqResult",
+    "SeqStep",
+    "StepResult",
+    "TopLogprob",
+]
 
 
 class SeqInit(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +31,7 @@ class SeqInit(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     token_ids: list[int]  # every token of the sequence so far: prompt, then earlier outputs
     prompt_len: int  # token_ids[:prompt_len] is the prompt (penalties count the rest)
+    eos_token_ids: list[int] = []  # banned with stop_token_ids while under min_new_tokens
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True):
@@ -71,8 +81,17 @@ class SeqResult(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[TopLogprob] | None = None
 
 
+class SeqError(msgspec.Struct, frozen=True, array_like=True):
+    """A sequence the worker could not start (its logit processors refused their
+    parameters, say): it was left out of the step and ends with this error."""
+
+    rid: str
+    message: str
+
+
 class StepResult(Message, frozen=True, kw_only=True):
     TAG: ClassVar[str] = "step.result"
     step_id: int
     results: list[SeqResult]  # one per sequence with sample=True, in batch order
+    errors: list[SeqError] = []  # left out of the step: no result, no KV written
     forward_ms: float = 0.0

@@ -2,11 +2,20 @@
 # Install actorlm into ./.venv (idempotent: a second run reuses what is there).
 #   scripts/setup.sh          the engine and the default model
 #   scripts/setup.sh --test   the same plus the test tools
+#   scripts/setup.sh --bench  the same plus what bench/*.py needs (both flags may be given)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+wanted=()
+for arg in "$@"; do
+    case "$arg" in
+        --test) wanted+=(test) ;;
+        --bench) wanted+=(bench) ;;
+        *) echo "usage: scripts/setup.sh [--test] [--bench]" >&2; exit 2 ;;
+    esac
+done
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+[ ${#wanted[@]} -gt 0 ] && extras="[$(IFS=,; echo "${wanted[*]}")]"
 python=${PYTHON:-python3}
 
 if [ ! -x .venv/bin/python ]; then

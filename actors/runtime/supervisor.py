@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from ...messages.base import Message
 from ...messages.control import Heartbeat, PeerDown, PeerUp, Ready, Shutdown
 from ...messages.envelope import Envelope
 from .dispatch import Actor, ActorError, ActorRuntime, RuntimeOptions, handles
-from .transport import ZmqTransport
+from .transport import ZmqTransport, free_port
 
 __all__ = ["ACTOR_ROLES", "Launcher", "StartupError", "make_addresses", "run_actor"]
 
@@ -50,12 +49,6 @@ class StartupError(RuntimeError):
     pass
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def make_addresses(roles: list[str], transport: str, run_dir: str) -> dict[str, str]:
     """A fresh address per role for ``transport`` (inproc | ipc | tcp on loopback)."""
     if transport == "inproc":
@@ -64,7 +57,7 @@ def make_addresses(roles: list[str], transport: str, run_dir: str) -> dict[str, 
     if transport == "ipc":
         return {r: f"ipc://{run_dir}/{r}.sock" for r in roles}
     if transport == "tcp":
-        return {r: f"tcp://127.0.0.1:{_free_port()}" for r in roles}
+        return {r: f"tcp://127.0.0.1:{free_port()}" for r in roles}
     raise ValueError(f"unknown transport {transport!r}; known: inproc, ipc, tcp")
 
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
@@ -25,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 __all__ = [
+    "free_port",
     "Deliver",
     "Frames",
     "Inbox",
@@ -292,3 +294,10 @@ class MemoryTransport:
 
     def close(self) -> None:
         self.inboxes.clear()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A tcp port on ``host`` that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

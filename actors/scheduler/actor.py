@@ -14,6 +14,7 @@ from typing import Any
 
 from ...messages.cache import CacheStepResult
 from ...messages.envelope import Envelope
+from ...messages.errors import ErrorCode, code_for_status
 from ...messages.generate import (
     AbortRequest,
     FinishRequest,
@@ -23,7 +24,7 @@ from ...messages.generate import (
 )
 from ...messages.step import StepResult
 from ..runtime import Actor, ActorError, handles
-from .policy import BatchPlanner
+from .policy import BatchPlanner, Refusal
 
 __all__ = ["SchedulerActor"]
 
@@ -62,16 +63,23 @@ class SchedulerActor(Actor):
     # -- inbox ----------------------------------------------------------------
     @handles(TokenizedRequest)
     async def on_request(self, msg: TokenizedRequest, env: Envelope) -> None:
-        error = self.planner.add(msg, env.sender)
-        if error is None and {"worker", "cache_manager"} & self.runtime.down:
+        refused = self.planner.add(msg, env.sender)
+        if refused is None and {"worker", "cache_manager"} & self.runtime.down:
             self.planner.abort(msg.rid, notify=False)
-            error = "the engine is restarting a failed actor; try again shortly"
-        self.reply_to[msg.rid] = env.sender
-        if error is not None:
-            status = 503 if "overloaded" in error or "restarting" in error else 400
-            await self._emit(
-                [TokenDelta(msg.rid, [], None, None, "error", len(msg.input_ids), 0, error, status)]
+            refused = Refusal(
+                "the engine is restarting a failed actor; try again shortly",
+                ErrorCode.UNAVAILABLE,
             )
+        self.reply_to[msg.rid] = env.sender
+        if refused is not None:
+            delta = TokenDelta(
+                rid=msg.rid,
+                finish_reason="error",
+                prompt_tokens=len(msg.input_ids),
+                error=refused.message,
+                error_code=refused.code,
+            )
+            await self._emit([delta])
             return
         self._wake.set()
 
@@ -89,7 +97,7 @@ class SchedulerActor(Actor):
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role in ("worker", "cache_manager"):
-            self.planner.fail_all(f"the {role} actor died ({reason})", 503)
+            self.planner.fail_all(f"the {role} actor died ({reason})", ErrorCode.UNAVAILABLE)
             self._wake.set()
 
     # -- the loop ---------------------------------------------------------------
@@ -135,7 +143,9 @@ class SchedulerActor(Actor):
             )
         except ActorError as exc:
             log.error("forward step failed: %s", exc)
-            planner.fail_batch(batch, f"the forward pass failed: {exc}", exc.status)
+            planner.fail_batch(
+                batch, f"the forward pass failed: {exc}", code_for_status(exc.status)
+            )
             return True
         assert isinstance(reply, StepResult)
         deltas = planner.on_result(batch, reply)
@@ -157,7 +167,7 @@ class SchedulerActor(Actor):
             result = await self.request("cache_manager", ops)
         except ActorError as exc:
             log.error("cache step failed: %s", exc)
-            planner.fail_all(f"the cache manager failed: {exc}", exc.status)
+            planner.fail_all(f"the cache manager failed: {exc}", code_for_status(exc.status))
             return True
         assert isinstance(result, CacheStepResult)
         planner.apply_cache(result)

@@ -19,12 +19,22 @@ from dataclasses import dataclass, field
 
 from ...config import DEFAULT_MAX_PREFILL_TOKENS, SchedulerConfig
 from ...messages.cache import AdmitOp, CacheStep, CacheStepResult, CommitOp, ExtendOp, FinishOp
+from ...messages.errors import ErrorCode
 from ...messages.generate import TokenDelta, TokenizedRequest
+from ...messages.sampling import SamplingParams
 from ...messages.step import ForwardBatch, PageIO, SeqInit, SeqStep, StepResult, TopLogprob
 
-__all__ = ["POLICIES", "BatchPlanner", "Req"]
+__all__ = ["POLICIES", "BatchPlanner", "Refusal", "Req"]
 
 POLICIES = ("fcfs", "lpm", "priority")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request cannot be queued."""
+
+    message: str
+    code: ErrorCode
 
 
 @dataclass(eq=False)
@@ -32,9 +42,10 @@ class Req:
     rid: str
     ids: list[int]  # prompt, then every output token
     prompt_len: int
-    sampling: TokenizedRequest
+    request: TokenizedRequest
     reply_to: str
     seq: int  # arrival order
+    stop_ids: frozenset[int] = frozenset()  # stop token ids, the model's eos included
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # leading tokens of ids whose KV is in pages
     cached_tokens: int = 0
@@ -46,6 +57,10 @@ class Req:
     @property
     def num_output(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling
 
 
 class BatchPlanner:
@@ -95,19 +110,32 @@ class BatchPlanner:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
-    def add(self, msg: TokenizedRequest, reply_to: str) -> str | None:
-        """Queue a request; returns an error message if it can never run."""
+    def add(self, msg: TokenizedRequest, reply_to: str) -> Refusal | None:
+        """Queue a request; returns why not if it cannot be queued."""
         if msg.rid in self.waiting or msg.rid in self.running:
-            return f"request id {msg.rid!r} is already in use"
+            return Refusal(f"request id {msg.rid!r} is already in use", ErrorCode.INVALID_REQUEST)
         if len(self.waiting) >= self.cfg.max_queued_requests:
-            return "the server is overloaded: the waiting queue is full"
+            return Refusal(
+                "the server is overloaded: the waiting queue is full", ErrorCode.OVERLOADED
+            )
         worst = len(msg.input_ids) + msg.sampling.max_new_tokens
         if self.pages_for(worst) > self.num_pages:
-            return (
+            return Refusal(
                 f"the request needs up to {worst} tokens of KV cache but the pool holds "
-                f"{self.num_pages * self.page_size}"
+                f"{self.num_pages * self.page_size}",
+                ErrorCode.INVALID_REQUEST,
             )
-        req = Req(msg.rid, list(msg.input_ids), len(msg.input_ids), msg, reply_to, next(self._seq))
+        sp = msg.sampling
+        stops = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else msg.eos_token_ids)
+        req = Req(
+            msg.rid,
+            list(msg.input_ids),
+            len(msg.input_ids),
+            msg,
+            reply_to,
+            next(self._seq),
+            stop_ids=stops,
+        )
         if msg.sampling.max_new_tokens == 0:
             self._deltas.append(self._delta(req, [], "length"))
             return None
@@ -125,10 +153,12 @@ class BatchPlanner:
             self._deltas.append(self._delta(req, [], reason))
         return True
 
-    def fail_all(self, message: str, status: int = 503, *, waiting: bool = True) -> None:
+    def fail_all(
+        self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE, *, waiting: bool = True
+    ) -> None:
         """End every running (and waiting) request with an error; their KV is not cached."""
         for req in list(self.running.values()) + (list(self.waiting.values()) if waiting else []):
-            self._deltas.append(self._delta(req, [], "error", error=message, status=status))
+            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
             if req.rid in self.running:
                 self._releases.append(req.rid)
                 self._worker_release.append(req.rid)
@@ -151,7 +181,7 @@ class BatchPlanner:
     def _candidates(self, limit: int) -> list[Req]:
         reqs: Iterable[Req] = self.waiting.values()
         if self.cfg.policy == "priority":
-            reqs = sorted(reqs, key=lambda r: (-r.sampling.priority, r.seq))
+            reqs = sorted(reqs, key=lambda r: (-r.request.priority, r.seq))
         else:  # fcfs, and lpm's candidates in arrival order (the cache manager reorders)
             reqs = sorted(reqs, key=lambda r: r.seq)
         return list(itertools.islice(reqs, limit))
@@ -181,7 +211,7 @@ class BatchPlanner:
                     break
                 budget -= len(req.ids) - req.computed
                 extra = self.pages_for(len(req.ids) + 1) - self.pages_for(len(req.ids))
-                admits.append(AdmitOp(req.rid, list(req.ids), extra, req.sampling.priority))
+                admits.append(AdmitOp(req.rid, list(req.ids), extra, req.request.priority))
         if not (admits or self._extends or self._finishes or self._releases or self._commits):
             return None
         step = CacheStep(
@@ -254,9 +284,10 @@ class BatchPlanner:
             init = None
             if req.needs_init:
                 init = SeqInit(
-                    sampling=req.sampling.sampling,
+                    sampling=req.params,
                     token_ids=list(req.ids),
                     prompt_len=req.prompt_len,
+                    eos_token_ids=list(req.request.eos_token_ids),
                 )
                 req.needs_init = False
             table = req.pages[: self.pages_for(end)]
@@ -281,6 +312,8 @@ class BatchPlanner:
 
     def on_result(self, batch: ForwardBatch, result: StepResult) -> list[TokenDelta]:
         self.stats["steps"] += 1
+        for err in result.errors:
+            self._fail(err.rid, err.message, ErrorCode.INVALID_REQUEST)
         by_rid = {r.rid: r for r in result.results}
         for seq in batch.seqs:
             req = self.running.get(seq.rid)
@@ -307,18 +340,24 @@ class BatchPlanner:
                 self._finish_pages(req, cache=True)
         return self.take_deltas()
 
-    def fail_batch(self, batch: ForwardBatch, message: str, status: int = 500) -> None:
+    def fail_batch(
+        self, batch: ForwardBatch, message: str, code: ErrorCode = ErrorCode.INTERNAL
+    ) -> None:
         for seq in batch.seqs:
-            req = self.running.pop(seq.rid, None)
-            if req is not None:
-                self._releases.append(req.rid)
-                self._worker_release.append(req.rid)
-                self._deltas.append(self._delta(req, [], "error", error=message, status=status))
+            self._fail(seq.rid, message, code)
+
+    def _fail(self, rid: str, message: str, code: ErrorCode) -> None:
+        """End running ``rid`` with an error; its pages go back uncached."""
+        req = self.running.pop(rid, None)
+        if req is not None:
+            self._releases.append(req.rid)
+            self._worker_release.append(req.rid)
+            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
 
     # -- helpers ----------------------------------------------------------------
     def _finish_reason(self, req: Req, token: int) -> str | None:
-        sp = req.sampling.sampling
-        if token in sp.stop_token_ids and req.num_output >= sp.min_new_tokens:
+        sp = req.params
+        if token in req.stop_ids and req.num_output >= sp.min_new_tokens:
             return "stop"
         if req.num_output >= sp.max_new_tokens or len(req.ids) >= self.max_model_len:
             return "length"
@@ -340,8 +379,16 @@ class BatchPlanner:
         logprobs: list[float] | None = None,
         top: list[list[TopLogprob]] | None = None,
         error: str | None = None,
-        status: int = 0,
+        code: ErrorCode | None = None,
     ) -> TokenDelta:
         return TokenDelta(
-            req.rid, tokens, logprobs, top, reason, req.prompt_len, req.cached_tokens, error, status
+            rid=req.rid,
+            token_ids=tokens,
+            logprobs=logprobs,
+            top_logprobs=top,
+            finish_reason=reason,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.cached_tokens,
+            error=error,
+            error_code=code,
         )

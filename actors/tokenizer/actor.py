@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from ...messages.control import ErrorReply
 from ...messages.envelope import Envelope
+from ...messages.errors import ErrorCode, code_for_status
 from ...messages.generate import (
     AbortRequest,
     FinishRequest,
@@ -40,9 +39,9 @@ _INLINE_CHARS = 4096
 
 
 class RequestError(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
         super().__init__(message)
-        self.status = status
+        self.code = code
 
 
 @dataclass
@@ -82,7 +81,12 @@ class TokenizerActor(Actor):
         reply_to = req.reply_to or env.sender
         self.requests += 1
         if req.rid in self.live or req.rid in self.tokenizing:
-            await self._fail(reply_to, req.rid, f"request id {req.rid!r} is already in use", 400)
+            await self._fail(
+                reply_to,
+                req.rid,
+                f"request id {req.rid!r} is already in use",
+                ErrorCode.INVALID_REQUEST,
+            )
             return
         self.tokenizing.add(req.rid)
         try:
@@ -90,10 +94,11 @@ class TokenizerActor(Actor):
             sampling = self._check(req, ids)
         except (RequestError, ValueError) as exc:
             self.tokenizing.discard(req.rid)
-            await self._fail(reply_to, req.rid, str(exc), getattr(exc, "status", 400))
+            code = exc.code if isinstance(exc, RequestError) else ErrorCode.INVALID_REQUEST
+            await self._fail(reply_to, req.rid, str(exc), code)
             return
         if req.rid not in self.tokenizing:  # aborted while we tokenized
-            await self._fail(reply_to, req.rid, "", 0, reason="abort", prompt_tokens=len(ids))
+            await self._fail(reply_to, req.rid, "", None, reason="abort", prompt_tokens=len(ids))
             return
         self.tokenizing.discard(req.rid)
         self.live[req.rid] = _Live(
@@ -103,6 +108,7 @@ class TokenizerActor(Actor):
             rid=req.rid,
             input_ids=ids,
             sampling=sampling,
+            eos_token_ids=list(self.tok.eos_token_ids),
             priority=req.priority,
             lora_path=req.lora_path,
             arrival_time=time.time(),
@@ -111,7 +117,7 @@ class TokenizerActor(Actor):
             msg_id = await self.send("scheduler", out)
         except ActorError as exc:
             self.live.pop(req.rid, None)
-            await self._fail(reply_to, req.rid, str(exc), exc.status)
+            await self._fail(reply_to, req.rid, str(exc), code_for_status(exc.status))
             return
         if req.rid in self.live:  # it may have finished while we were sending
             self.sent[msg_id] = req.rid
@@ -143,32 +149,26 @@ class TokenizerActor(Actor):
         return await self.run_blocking(self.tok.encode, text)
 
     def _check(self, req: GenerateRequest, ids: list[int]) -> SamplingParams:
-        from ...gpu.sampling import validate_sampling
-
+        """The prompt's checks (its sampling was checked where it entered the engine)."""
         sp = req.sampling
         if not ids:
             raise RequestError("the prompt is empty")
-        validate_sampling(sp, self.tok.vocab_size)
         limit = self.max_model_len
         if limit and len(ids) + sp.max_new_tokens > limit:
             raise RequestError(
                 f"this model's maximum context length is {limit} tokens; the request has "
                 f"{len(ids)} prompt tokens and asks for {sp.max_new_tokens} new tokens "
                 f"({len(ids) + sp.max_new_tokens} in total)",
-                400,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             )
-        if sp.ignore_eos:
-            return sp
-        # The scheduler stops on these without knowing the model: hand it the eos ids.
-        stops = sorted(set(sp.stop_token_ids) | set(self.tok.eos_token_ids))
-        return msgspec.structs.replace(sp, stop_token_ids=stops)
+        return sp
 
     async def _fail(
         self,
         to: str,
         rid: str,
         message: str,
-        status: int,
+        code: ErrorCode | None,
         *,
         reason: str = "error",
         prompt_tokens: int = 0,
@@ -177,7 +177,7 @@ class TokenizerActor(Actor):
             rid=rid,
             finish_reason=reason,
             error=message or None,
-            error_code=status,
+            error_code=code,
             usage=Usage(prompt_tokens, 0, 0),
         )
         try:
@@ -243,11 +243,13 @@ class TokenizerActor(Actor):
         rid = self.sent.pop(env.reply_to, None)
         live = self.live.pop(rid, None) if rid else None
         if live is not None and rid is not None:
-            await self._fail(live.reply_to, rid, error.message, error.status)
+            await self._fail(live.reply_to, rid, error.message, code_for_status(error.status))
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role != "scheduler":
             return
         for rid, live in list(self.live.items()):
-            await self._fail(live.reply_to, rid, f"the scheduler died ({reason})", 503)
+            await self._fail(
+                live.reply_to, rid, f"the scheduler died ({reason})", ErrorCode.UNAVAILABLE
+            )
         self.live.clear()

@@ -39,7 +39,9 @@ class WorkerActor(Actor):
         self.forward_ms = 0.0
 
     def ready_info(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self.runner.info)
+        from ...extensions.plugins import current_platform
+
+        return {**msgspec.to_builtins(self.runner.info), "platform": current_platform().describe()}
 
     def stats(self) -> dict[str, Any]:
         return {"steps": self.steps, "forward_ms_total": self.forward_ms}
@@ -76,6 +78,7 @@ class WorkerActor(Actor):
     async def on_forward(self, msg: ForwardBatch, env: Envelope) -> StepResult:
         async with self._lock:
             result = await self.run_blocking(self._step, msg)
-        self.steps += 1
+        if len(msg.seqs) > len(result.errors):  # a forward pass ran
+            self.steps += 1
         self.forward_ms += result.forward_ms
         return result

@@ -7,7 +7,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 from actorlm import Engine
 from actorlm.actors.client import RequestFailed
+from actorlm.actors.runtime.transport import free_port
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -69,6 +69,15 @@ def test_engine_matches_transformers_greedy(engine: Engine, tiny_llama: Path) ->
     ref = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
     assert out.token_ids == ref[0, len(ids) :].tolist()
     assert out.finish_reason == "length" and out.usage.completion_tokens == n
+
+
+def test_bad_sampling_is_refused_at_the_engine_edge(engine: Engine) -> None:
+    with pytest.raises(RequestFailed, match="top_p must be in") as info:
+        engine.generate([1, 2, 3], {"max_new_tokens": 2, "top_p": 0})
+    assert info.value.status == 400
+    with pytest.raises(RequestFailed, match="outside the vocabulary"):
+        engine.generate([1, 2, 3], {"max_new_tokens": 2, "logit_bias": {10**6: 1.0}})
+    assert engine.generate([1, 2, 3], greedy(2)).finish_reason == "length"  # still serving
 
 
 def test_64_concurrent_requests_match_each_alone(
@@ -201,19 +210,13 @@ def test_killed_worker_fails_in_flight_requests_promptly(tiny_llama: Path) -> No
             eng.generate([1, 2, 3], greedy(2))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_disaggregated_actors_over_tcp_from_one_deployment_file(
     tiny_llama: Path, tmp_path: Path, alone: dict[int, list[int]]
 ) -> None:
     roles = ["tokenizer", "scheduler", "cache_manager", "worker"]
     lines = [f'[model]\npath = "{tiny_llama}"\nkv_cache_gb = 0.05\n']
     for role in roles:
-        lines.append(f'[actors.{role}]\naddress = "tcp://127.0.0.1:{_free_port()}"\n')
+        lines.append(f'[actors.{role}]\naddress = "tcp://127.0.0.1:{free_port()}"\n')
     deploy = tmp_path / "cluster.toml"
     deploy.write_text("\n".join(lines))
     procs = [

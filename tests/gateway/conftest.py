@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from actorlm.actors.runtime.transport import free_port
 
 API_KEY = "test-key"
 MAX_QUEUED = 4  # small, so one request with n > 4 proves the 429 path
 STARTUP_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_pids(pid: int) -> set[int]:
@@ -80,7 +74,7 @@ def _status(url: str) -> int:
 
 @pytest.fixture(scope="package")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [
         sys.executable, "-m", "actorlm.cli", "serve",

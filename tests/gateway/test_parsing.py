@@ -11,6 +11,7 @@ from actorlm.gateway.openai_parse import parse_chat, parse_completion
 from actorlm.gateway.params import ModelLimits
 from actorlm.gateway.state import GatewayState
 from actorlm.gateway.streams import delta_error
+from actorlm.messages.errors import ErrorCode
 from actorlm.messages.generate import TextDelta, TokenLogprob, Usage
 
 
@@ -176,13 +177,21 @@ def test_response_shapes(state: GatewayState) -> None:
 def test_error_deltas_keep_their_status() -> None:
     err = delta_error(
         TextDelta(
-            rid="r", finish_reason="error", error="maximum context length is 8", error_code=400
+            rid="r",
+            finish_reason="error",
+            error="maximum context length is 8",
+            error_code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         )
     )
     assert err.status == 400 and err.code == "context_length_exceeded"
     assert (
         delta_error(
-            TextDelta(rid="r", finish_reason="error", error="worker died", error_code=503)
+            TextDelta(
+                rid="r",
+                finish_reason="error",
+                error="worker died",
+                error_code=ErrorCode.UNAVAILABLE,
+            )
         ).status
         == 503
     )

@@ -13,14 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
+from actorlm.actors.runtime.transport import free_port
 
-from .conftest import _free_port, _status, alive, child_pids
+from .conftest import _status, alive, child_pids
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_sigint_during_startup_exits_without_orphans(tiny_llama: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     cmd = [
         sys.executable, "-m", "actorlm.cli", "serve",

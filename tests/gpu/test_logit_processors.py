@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from actorlm.extensions.points import LOGIT_PROCESSORS
 from actorlm.gpu.logit_processors import BanTokens, LogitProcessor, NoRepeatNgram, build_processors
-from actorlm.gpu.sampling import Sampler, validate_sampling
+from actorlm.gpu.sampling import Sampler
 from actorlm.messages.sampling import LogitProcessorSpec, SamplingParams
-from actorlm.messages.step import SeqInit
+from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep
+
+from .helpers import Pages, Seq, greedy, make_runner, run_step
 
 CPU = torch.device("cpu")
 
@@ -30,7 +33,7 @@ def test_builtins_registered() -> None:
 
 
 def test_ban_tokens_through_sampler() -> None:
-    sampler = Sampler(10, [], CPU)
+    sampler = Sampler(10, CPU)
     spec = LogitProcessorSpec(name="ban_tokens", params={"token_ids": [7, 2]})
     sampler.add("g", seq([1], spec, temperature=0.0))
     sampler.add("s", seq([1], spec, temperature=1.0))
@@ -62,7 +65,7 @@ def test_no_repeat_ngram_matches_brute_force_incrementally(n: int) -> None:
 
 def test_no_repeat_ngram_through_sampler_never_repeats() -> None:
     vocab = 6
-    sampler = Sampler(vocab, [], CPU)
+    sampler = Sampler(vocab, CPU)
     spec = LogitProcessorSpec(name="no_repeat_ngram", params={"ngram_size": 2})
     sampler.add("r", seq([1, 2, 1], spec, temperature=0.0))
     tokens = [1, 2, 1]
@@ -97,8 +100,6 @@ def test_no_repeat_ngram_through_sampler_never_repeats() -> None:
 )
 def test_bad_specs_rejected_up_front(spec: LogitProcessorSpec, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        validate_sampling(SamplingParams(logit_processors=[spec]), 50)
-    with pytest.raises(ValueError, match=message):
         build_processors([spec], 50)
 
 
@@ -122,7 +123,7 @@ class _OnlyEven(LogitProcessor):
 def test_plugin_processor_sees_growing_sequence() -> None:
     LOGIT_PROCESSORS.register("only_even", _OnlyEven, source="test")
     try:
-        sampler = Sampler(8, [], CPU)
+        sampler = Sampler(8, CPU)
         spec = LogitProcessorSpec(name="only_even")
         sampler.add("r", seq([1, 3, 5], spec, temperature=1.0, seed=0))
         _OnlyEven.calls.clear()
@@ -131,3 +132,27 @@ def test_plugin_processor_sees_growing_sequence() -> None:
         assert _OnlyEven.calls == [3, 4, 5, 6, 7]
     finally:
         LOGIT_PROCESSORS.unregister("only_even")
+
+
+def test_a_processor_that_refuses_ends_its_request_alone(tiny_llama: Path) -> None:
+    """Processors are built once, in the worker: a bad one fails that sequence only (no
+    forward for it, no KV written), and its batch neighbour gets the tokens it gets alone."""
+    runner = make_runner(tiny_llama)
+    prompt = [5, 6, 7, 8]
+    alone = greedy(runner, "ok", prompt, 3, Pages(first=100))
+    pages = Pages()
+    bad = LogitProcessorSpec(name="no_repeat_ngram", params={"ngram_size": 0})
+    bad_init = SeqInit(
+        sampling=SamplingParams(temperature=0, logit_processors=[bad]),
+        token_ids=[9, 9],
+        prompt_len=2,
+    )
+    good = Seq("ok", prompt, pages)
+    steps = [SeqStep("bad", [9, 9], 0, pages.table("bad", 2), True, bad_init), good.step()]
+    result = runner.forward(ForwardBatch(step_id=0, seqs=steps))
+    assert [(e.rid, "ngram_size" in e.message) for e in result.errors] == [("bad", True)]
+    assert [r.rid for r in result.results] == ["ok"]
+    good.out.append(result.results[0].token_id)
+    for i in range(1, 3):
+        run_step(runner, [good], [good.step()], i)
+    assert good.out == alone

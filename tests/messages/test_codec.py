@@ -12,6 +12,7 @@ import pytest
 from actorlm.messages.base import Message
 from actorlm.messages.control import ErrorReply, PeerDown, Ping, Ready, Shutdown, Stats
 from actorlm.messages.envelope import Codec, DecodeError, Envelope, Kind, MessageTooLarge
+from actorlm.messages.errors import ErrorCode
 from actorlm.messages.generate import (
     ChatMessage,
     GenerateRequest,
@@ -109,10 +110,11 @@ token_batch = st.builds(
     items=st.lists(
         st.builds(
             TokenDelta,
-            text,
-            token_ids,
-            st.none() | st.lists(floats, max_size=3),
-            st.none() | st.lists(top, max_size=2),
+            rid=text,
+            token_ids=token_ids,
+            logprobs=st.none() | st.lists(floats, max_size=3),
+            top_logprobs=st.none() | st.lists(top, max_size=2),
+            error_code=st.none() | st.sampled_from(ErrorCode),
         ),
         max_size=3,
     ),

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from actorlm.actors.runtime.transport import free_port
 
 from .conftest import plugin_env, read_records, run_python
 
@@ -106,12 +106,13 @@ def test_hooks_of_all_four_kinds_take_effect_in_the_actor_processes(engine_run: 
     assert engine_run.pids("sampler.sample") == {worker}
     assert engine_run.total("sampler.sample") == sum(g["completion_tokens"] for g in generated)
     # BEFORE BatchPlanner.add, in the scheduler: every request that got past both
-    # rejecting interceptors (the forbidden prompt and the negative priority did not).
+    # rejecting interceptors (the forbidden prompt and the negative priority did not),
+    # the bad logit-processor request included (refused where it is built: the worker).
     (scheduler,) = engine_run.pids("planner.add")
-    accepted = len(generated)
+    accepted = len(generated) + 1
     assert engine_run.total("planner.add") == accepted
     # AFTER the tokenizer's check: that, plus the negative-priority request (refused
-    # later, at the scheduler); the bad logit-processor request failed in the check.
+    # later, at the scheduler).
     (tokenizer,) = engine_run.pids("tokenizer.check")
     assert engine_run.total("tokenizer.check") == accepted + 1
     assert len({worker, scheduler, tokenizer, out["pid"]}) == 4  # four processes
@@ -212,12 +213,6 @@ def test_allowlist_and_an_unselected_platform(engine_run: Run) -> None:
 # -- the platform plugin, through `actorlm serve` and HTTP ----------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
@@ -241,7 +236,7 @@ def _serve_run(
         ACTORLM_PLATFORM="example_device",
         ACTORLM_EXAMPLE_DEVICE="1",
     )
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp / "serve.log"
     cmd = [sys.executable, "-m", "actorlm.cli", "serve", "--model", str(tiny_llama),

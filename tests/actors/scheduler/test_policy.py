@@ -143,5 +143,5 @@ def test_retraction_keeps_outputs_identical() -> None:
 
 def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
     planner, _ = make(4)
-    error = planner.add(request("big", list(range(40)), 8), "t")
-    assert error is not None and "KV cache" in error
+    refused = planner.add(request("big", list(range(40)), 8), "t")
+    assert refused is not None and "KV cache" in refused.message
