@@ -28,9 +28,9 @@ __all__ = ["BanTokens", "LogitProcessor", "NoRepeatNgram", "build_processors"]
 class LogitProcessor(ABC):
     """One sequence's processor.
 
-    ``__init__`` validates ``params`` and raises ``ValueError`` with a clear message:
-    the gateway builds processors once to reject a bad request with a 400 before it
-    reaches a worker.
+    ``__init__`` validates ``params`` and raises ``ValueError`` with a clear message.
+    Processors are built once, in the worker where they run: a ``ValueError`` from
+    ``__init__`` or ``check_vocab`` ends that request alone with a 400.
     """
 
     def __init__(self, params: dict[str, Any]) -> None:
