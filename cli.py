@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     actor = sub.add_parser("actor", help="run one actor alone (disaggregated deployment)")
     actor.add_argument(
-        "role", help="tokenizer | scheduler | cache_manager | worker, or module:Class"
+        "role", help="tokenizer | scheduler | cache_manager | worker | gateway, or module:Class"
     )
     actor.add_argument("--deploy", help="TOML deployment file naming every actor's address")
     actor.add_argument("--bind", help="address this actor binds (ipc:// or tcp://)")
@@ -114,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .actors.runtime.process import prepare_process
     from .serve import serve
 
-    base = load_deployment(args.deploy).config if args.deploy else EngineConfig()
+    deployment = load_deployment(args.deploy) if args.deploy else None
+    base = deployment.config if deployment is not None else EngineConfig()
     config = config_from_options(base, **_options(args))
     prepare_process(config, "gateway")
     try:
@@ -122,8 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"actorlm: {exc}", file=sys.stderr)
         return 2
-    serve(config, deploy=args.deploy)
-    return 0
+    return serve(config, deployment)
 
 
 def _actor(args: argparse.Namespace) -> int:

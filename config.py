@@ -32,6 +32,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_gb: float = 1.0  # memory budget for the paged KV pool
     num_pages: int = 0  # 0 = derive from kv_cache_gb
     max_model_len: int = 0  # 0 = from the model's config
+    vocab_size: int = 0  # 0 = from the model's config (resolve_config fills it)
     num_threads: int = 0  # torch threads in the worker; 0 = all cores
     served_model_name: str = ""
     seed: int = 0
@@ -43,6 +44,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_prefill_tokens: int = 0  # per-step token budget (chunked prefill); 0 = the platform's
     max_queued_requests: int = 1024
     step_timeout_s: float = 300.0
+    # Running requests when the worker (or cache manager) is lost: "fail" them with an
+    # error, or "recompute" them from their tokens on its successor.
+    on_worker_loss: str = "fail"
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,11 +70,15 @@ class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     transport: str = "ipc"  # inproc | ipc | tcp
     addresses: dict[str, str] = {}
     run_dir: str = ""
-    heartbeat_s: float = 0.5
-    heartbeat_misses: int = 6
+    heartbeat_s: float = 0.5  # every actor heartbeats each peer this often
+    peer_timeout_s: float = 3.0  # a peer silent this long is down (a hung child is killed)
     request_timeout_s: float = 60.0
+    start_timeout_s: float = 600.0  # waiting for every actor to be ready
     max_message_bytes: int = 256 * 1024 * 1024
-    restart: dict[str, int] = {}  # role → max restarts (absent: 0)
+    restart_policy: str = "on-failure"  # on-failure | never: what the launcher does on a death
+    max_restarts: int = 5  # per role within restart_window_s; then it stays down
+    restart_window_s: float = 300.0
+    restart_backoff_s: float = 0.5  # before the first restart; doubles each time, up to 10 s
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

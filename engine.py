@@ -111,7 +111,7 @@ class Engine:
             actor,
             address,
             transport,
-            RuntimeOptions(request_timeout_s=self.config.deploy.request_timeout_s, book=book),
+            RuntimeOptions.from_deploy(self.config.deploy, book=book),
         )
         if self._launcher is not None:
             self._launcher.attach(self._runtime)

@@ -97,6 +97,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         m,
         path=str(Path(path).resolve()),
         max_model_len=max_len,
+        vocab_size=m.vocab_size or info.vocab_size,
         num_pages=num_pages,
         served_model_name=name,
     )

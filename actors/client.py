@@ -65,7 +65,9 @@ class ClientActor(Actor):
             )
 
     async def on_peer_down(self, role: str, reason: str) -> None:
-        if role in PIPELINE_ROLES:
+        # The tokenizer and the scheduler hold every stream; a lost worker or cache
+        # manager is the scheduler's to handle (it fails or recomputes what ran there).
+        if role in ("tokenizer", "scheduler"):
             self.fail_all(f"the {role} actor died ({reason}); request aborted")
 
     async def on_error(self, env: Envelope, error: ErrorReply) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .runtime.supervisor import ACTOR_ROLES
+from .runtime.child import ACTOR_ROLES
 
 __all__: list[str] = []
 
@@ -12,3 +12,5 @@ ACTOR_ROLES.register(
     "cache_manager", "actorlm.actors.cache.actor:CacheManagerActor", source="builtin"
 )
 ACTOR_ROLES.register("worker", "actorlm.actors.worker.actor:WorkerActor", source="builtin")
+# By name only: the gateway sits above the actors and is imported in its own process alone.
+ACTOR_ROLES.register("gateway", "actorlm.gateway.actor:GatewayActor", source="builtin")

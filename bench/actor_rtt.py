@@ -85,7 +85,7 @@ class ActorPath:
     def __init__(self, transport: str, payload: bytes) -> None:
         # The launcher shares this loop with the sending client: a burst of sends must not
         # look like a hung actor to its heartbeat watch.
-        deploy = DeployConfig(transport=transport, heartbeat_s=1.0, heartbeat_misses=60)  # type: ignore[arg-type]
+        deploy = DeployConfig(transport=transport, heartbeat_s=1.0, peer_timeout_s=60.0)  # type: ignore[arg-type]
         self.config = EngineConfig(deploy=deploy)
         self.launcher = Launcher(self.config, {"echo": f"{_MODULE}:BenchEcho"})
         self.payload = payload

@@ -65,6 +65,18 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.actor_downs = Counter(
+            "actorlm_actor_down",
+            "Times a pipeline actor went down (died, hung, or restarted) as the gateway saw it",
+            ["role"],
+            registry=r,
+        )
+        self.actor_restarts = Counter(
+            "actorlm_actor_restarts",
+            "Times a pipeline actor came back after being down",
+            ["role"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "actorlm_gateway_in_flight_requests",
             "Engine requests the gateway is streaming",

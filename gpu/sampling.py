@@ -196,6 +196,10 @@ class Sampler:
         stops = {*init.eos_token_ids, *init.sampling.stop_token_ids}
         return sorted(t for t in stops if 0 <= t < self.vocab_size)
 
+    def release_all(self) -> None:
+        for rid in list(self._seqs):
+            self.release(rid)
+
     def release(self, rid: str) -> None:
         seq = self._seqs.pop(rid, None)
         if seq is not None and seq.slot >= 0:

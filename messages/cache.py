@@ -58,6 +58,10 @@ class CacheStep(Message, frozen=True, kw_only=True):
     extends: list[ExtendOp] = []
     admits: list[AdmitOp] = []  # tried in order; stops at the first that does not fit
     longest_prefix_first: bool = False  # reorder admits by cached prefix length (lpm)
+    # Which life of the KV pool these pages belong to: when it changes (the worker or
+    # the cache manager was lost, or the scheduler restarted) every mapping is dropped
+    # before anything else in the step.
+    pool_epoch: int = 0
 
 
 class Admitted(msgspec.Struct, frozen=True, array_like=True):

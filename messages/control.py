@@ -32,26 +32,35 @@ class Ready(Message, frozen=True, kw_only=True):
     pid: int
     address: str
     info: dict[str, Any] = {}
+    incarnation: int = 0
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):
+    """actor → every peer in its book, every ``heartbeat_s``: I am alive (any message
+    says so too; this one says it when there is nothing else to send)."""
+
     TAG: ClassVar[str] = "ctl.heartbeat"
     role: str
     pid: int
 
 
 class PeerDown(Message, frozen=True, kw_only=True):
-    """supervisor → everyone: ``role`` died; fail what is pending on it now."""
+    """supervisor → everyone: ``role`` died (its process exited, or it hung and was
+    killed); fail what is pending on it now. ``incarnation`` is the dead one's."""
 
     TAG: ClassVar[str] = "ctl.peer_down"
     role: str
     reason: str
+    incarnation: int = 0
 
 
 class PeerUp(Message, frozen=True, kw_only=True):
+    """supervisor → everyone: ``role`` is back (restarted) at ``address``."""
+
     TAG: ClassVar[str] = "ctl.peer_up"
     role: str
     address: str
+    incarnation: int = 0
 
 
 class Shutdown(Message, frozen=True, kw_only=True):

@@ -11,6 +11,11 @@ whose prefix goes on past the tree loads the following pages from storage
 instead of computing them, so a prefix outlives the server that computed it.
 The page moves ride on the step's messages (scheduler → worker), so the worker
 saves a page before anything can overwrite it.
+
+Each ``CacheStep`` names the pool epoch its pages belong to; the scheduler bumps it
+when the KV pool's contents are lost (a worker or cache manager died or restarted).
+A new epoch drops every page mapping first, so no admission is ever served from KV
+that died with a worker.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class CacheManagerActor(Actor):
         self._stored: set[str] = set()  # keys known to be in storage
         self.storage_hits = 0
         self.prefix_waits = 0  # admissions put off to share a prefix being computed
+        self.pool_epoch = 0
+        self.resets = 0
 
     def _new_cache(self) -> KVCacheManager:
         model, cache = self.config.model, self.config.cache
@@ -66,13 +73,8 @@ class CacheManagerActor(Actor):
             **self.kv.stats(),
             "storage_hit_pages": self.storage_hits,
             "prefix_waits": self.prefix_waits,
+            "pool_resets": self.resets,
         }
-
-    async def on_peer_down(self, role: str, reason: str) -> None:
-        if role == "worker":
-            # The KV tensors died with the worker: every cached page is garbage now.
-            log.warning("worker died: dropping the whole prefix cache")
-            self.kv = self._new_cache()
 
     @handles(FlushCache)
     async def on_flush(self, msg: FlushCache, env: Envelope) -> Ack:
@@ -86,6 +88,13 @@ class CacheManagerActor(Actor):
 
     @handles(CacheStep)
     async def on_step(self, msg: CacheStep, env: Envelope) -> CacheStepResult:
+        if msg.pool_epoch != self.pool_epoch:
+            if self.pool_epoch:
+                # The KV tensors these pages named are gone: every mapping is garbage now.
+                log.warning("a new KV pool epoch: dropping every page mapping")
+                self.resets += 1
+            self.kv = self._new_cache()
+            self.pool_epoch = msg.pool_epoch
         kv = self.kv
         stores: list[PageIO] = []
         for op in msg.finishes:

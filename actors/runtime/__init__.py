@@ -4,6 +4,7 @@ child-process entry, and the public test harness. Nothing here knows what a
 request or a model is."""
 
 from .dispatch import (
+    RESTARTED,
     Actor,
     ActorDied,
     ActorError,
@@ -15,6 +16,7 @@ from .dispatch import (
 )
 
 __all__ = [
+    "RESTARTED",
     "Actor",
     "ActorDied",
     "ActorError",

@@ -70,6 +70,10 @@ class Actor:
     async def on_start(self) -> None:
         """Runs before READY is announced: load models, connect to peers."""
 
+    async def before_stop(self) -> None:
+        """Runs when the actor is told to stop (``Shutdown``, SIGTERM), while it can still
+        send and receive: drain what is in flight here. Then it stops."""
+
     async def on_stop(self) -> None:
         """Runs once on shutdown, after the inbox is closed."""
 
@@ -77,10 +81,13 @@ class Actor:
         """A handler raised ``exc`` while handling ``msg`` (the actor keeps running)."""
 
     async def on_peer_down(self, role: str, reason: str) -> None:
-        """The supervisor reported ``role`` dead; pending calls to it already failed."""
+        """``role`` is gone (its process exited, it fell silent, or it restarted: then
+        ``reason`` is "restarted" and ``on_peer_up`` follows). Pending calls to it have
+        failed already; whatever state it held is lost."""
 
     async def on_peer_up(self, role: str) -> None:
-        """``role`` is back (restarted)."""
+        """``role`` is alive: heard from for the first time, again, or as a new
+        incarnation (``self.runtime.peer_incarnation(role)``)."""
 
     async def on_error(self, env: Envelope, error: ErrorReply) -> None:
         """A message this actor *sent* (not requested) was rejected or failed at the peer."""

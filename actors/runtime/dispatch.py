@@ -1,10 +1,17 @@
 """The actor runtime: an Actor's inbox, dispatch table, and its ways to talk.
 
-:class:`ActorRuntime` runs one :class:`~actorlm.actors.actor.Actor` (declared as
-that module shows): it binds the actor's inbox, hands each message to its
-handler, and sends, requests and streams for it. When a peer dies (the
-supervisor says ``PeerDown``), every pending call to it fails at once with
-:class:`ActorDied`.
+:class:`ActorRuntime` runs one :class:`~actorlm.actors.runtime.actor.Actor` (declared
+as that module shows): it binds the actor's inbox, hands each message to its
+handler, and sends, requests and streams for it.
+
+Liveness needs no supervisor (``peers``): the runtime heartbeats every peer in its
+book, hears every message as a sign of life, and stamps what it sends with its
+incarnation (a fresh id per start). A peer that falls silent, or that a supervisor
+reports dead (``PeerDown``), or that shows up with a new incarnation, is down: every
+pending call to it fails at once with :class:`ActorDied`, and the actor's
+``on_peer_down`` runs before anything the new incarnation sent. Messages addressed
+to an earlier incarnation of this actor, and messages from an incarnation known
+dead, are dropped; a request among them is answered ``stale_incarnation``.
 
 Every message in and out passes through the actor's interceptor chain; a
 message that fails to decode, or is rejected, gets its sender an error reply
@@ -19,11 +26,14 @@ import inspect
 import itertools
 import logging
 import os
+import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...config import DeployConfig
 from ...extensions.interceptors import DROP, InterceptorChain, Reject
 from ...messages.base import Message
 from ...messages.control import (
@@ -42,9 +52,11 @@ from ...messages.control import (
 from ...messages.envelope import Codec, DecodeError, Envelope, Kind
 from .actor import Actor, handles
 from .calls import ActorDied, ActorError, Calls, RemoteError, RequestTimeout, error_from_reply
+from .peers import Change, ChangeKind, PeerTable
 from .transport import Inbox, Outbox, Transport
 
 __all__ = [
+    "RESTARTED",
     "Actor",
     "ActorDied",
     "ActorError",
@@ -57,18 +69,43 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 Builtin = Callable[[Envelope, Any], Awaitable[None]]
-Inbound = tuple[Envelope, Message] | DecodeError  # what waits in the slow lane
+Inbound = tuple[Envelope, Message] | DecodeError | Change  # what waits in the slow lane
+# Messages only the supervisor may send: from anyone else they are dropped and logged.
+_SUPERVISOR_ONLY = (PeerDown, PeerUp, Shutdown)
+
+
+# The ``reason`` an actor's on_peer_down gets when the peer came back as a new
+# incarnation: its state is certainly gone (a silent peer may only be slow).
+RESTARTED = "restarted"
+
+
+def new_incarnation() -> int:
+    return random.getrandbits(62) | 1  # never 0, which means "unknown"
 
 
 @dataclass
 class RuntimeOptions:
     request_timeout_s: float = 60.0
-    heartbeat_s: float = 0.5
+    heartbeat_s: float = 0.0  # heartbeats to every peer in the book; 0: none, and no expiry
+    peer_timeout_s: float = 3.0  # a peer silent this long is down
     max_message_bytes: int = 256 * 1024 * 1024
-    supervisor: str = ""  # role to send Ready/Heartbeat to ("" = none)
+    supervisor: str = ""  # role that READY goes to, and control messages come from ("" = none)
+    controller: str = ""  # whose control messages are obeyed, if not the supervisor's
     bind: str = ""  # address to bind when it differs from the one peers use (tcp://0.0.0.0:N)
     interceptors: InterceptorChain | None = None
     book: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_deploy(cls, deploy: DeployConfig, **overrides: Any) -> RuntimeOptions:
+        """The options of an actor (or client) in a deployment configured by ``deploy``."""
+        values: dict[str, Any] = {
+            "request_timeout_s": deploy.request_timeout_s,
+            "heartbeat_s": deploy.heartbeat_s,
+            "peer_timeout_s": deploy.peer_timeout_s,
+            "max_message_bytes": deploy.max_message_bytes,
+        }
+        values.update(overrides)
+        return cls(**values)
 
 
 class ActorRuntime:
@@ -93,7 +130,8 @@ class ActorRuntime:
         self.interceptors = chain if chain is not None else InterceptorChain(self.role)
         # A chain's members are fixed when it is built: with none, skip it outright.
         self._intercepting = bool(self.interceptors)
-        self.down: set[str] = set()
+        self.incarnation = new_incarnation()
+        self.peers = PeerTable(self.options.peer_timeout_s)
         self.ready = asyncio.Event()
         self._ids = itertools.count(1)
         self.calls = Calls()
@@ -102,6 +140,7 @@ class ActorRuntime:
         self._inbox: Inbox | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
+        self._graceful = False
         self._backlog: list[tuple[Envelope, Message]] = []
         self._slow: deque[Inbound] = deque()  # the slow lane (see "receiving")
         self._slow_ready = asyncio.Event()
@@ -113,7 +152,7 @@ class ActorRuntime:
         self._inbox = self.transport.bind(self.options.bind or self.address)
         self._inbox.listen(self._on_frames)
         recv = asyncio.create_task(self._slow_loop(), name=f"{self.role}-recv")
-        beat: asyncio.Task[Any] | None = None
+        watch: asyncio.Task[Any] | None = None
         try:
             start = asyncio.create_task(self.actor.on_start())
             stopping = asyncio.create_task(self._stopping.wait())
@@ -130,11 +169,16 @@ class ActorRuntime:
                 await self._dispatch_message(env, msg)
             if self.options.supervisor:
                 info = self.actor.ready_info()
-                await self.send(
-                    self.options.supervisor,
-                    Ready(role=self.role, pid=os.getpid(), address=self.address, info=info),
+                ready = Ready(
+                    role=self.role,
+                    pid=os.getpid(),
+                    address=self.address,
+                    info=info,
+                    incarnation=self.incarnation,
                 )
-                beat = asyncio.create_task(self._heartbeat_loop(), name=f"{self.role}-heartbeat")
+                await self.send(self.options.supervisor, ready)
+            if self.options.heartbeat_s > 0:
+                watch = asyncio.create_task(self._liveness_loop(), name=f"{self.role}-liveness")
             stop = asyncio.create_task(self._stopping.wait())
             await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
             if recv.done() and not self._stopping.is_set():
@@ -143,17 +187,33 @@ class ActorRuntime:
             if self._inbox is not None:  # nothing new starts while we wind down
                 self._inbox.close()
                 self._inbox = None
-            for task in (recv, beat, *self._tasks):
+            for task in (recv, watch, *self._tasks):
                 if task is not None:
                     task.cancel()
             await asyncio.gather(recv, *self._tasks, return_exceptions=True)
             self.calls.fail(ActorDied(f"{self.role} is stopping"))
-            with contextlib.suppress(Exception):
+            try:
                 await self.actor.on_stop()
+            except Exception:
+                log.exception("%s: on_stop failed", self.role)
             self.close()
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def stop_gracefully(self) -> None:
+        """Stop after the actor's ``before_stop`` (a drain) has run, while it can still
+        talk to its peers."""
+        if not self._stopping.is_set() and not self._graceful:
+            self._graceful = True
+            self.spawn(self._stop_after_drain(), name=f"{self.role}-drain")
+
+    async def _stop_after_drain(self) -> None:
+        try:
+            await self.actor.before_stop()
+        except Exception:
+            log.exception("%s: before_stop failed", self.role)
+        self.stop()
 
     def close(self) -> None:
         for box in self._outboxes.values():
@@ -184,12 +244,55 @@ class ActorRuntime:
                 exc_info=task.exception(),
             )
 
-    async def _heartbeat_loop(self) -> None:
+    # -- liveness ---------------------------------------------------------------
+    @property
+    def down(self) -> set[str]:
+        """Peers heard from once that are not alive now."""
+        return self.peers.down
+
+    async def _liveness_loop(self) -> None:
+        """Heartbeat every peer in the book; peers silent too long are down."""
         beat = Heartbeat(role=self.role, pid=os.getpid())
+        period = self.options.heartbeat_s
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.options.heartbeat_s)
-            with contextlib.suppress(ActorError):
-                await self.send(self.options.supervisor, beat)
+            for role in [r for r in self.book if r != self.role]:
+                with contextlib.suppress(ActorError):
+                    await self._emit(role, beat, Kind.SEND, next(self._ids))
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            if now - last > 2 * period:
+                self.peers.forgive(now)  # we were late, not them
+            last = now
+            for change in self.peers.expire(now):
+                self._peer_changed(change)
+
+    def peer_incarnation(self, role: str) -> int:
+        return self.peers.incarnation(role)
+
+    def _peer_changed(self, change: Change) -> None:
+        """Fail what is pending on a peer that went down or restarted (now), then run the
+        actor's hooks in the slow lane, before anything the new incarnation sent."""
+        if change.kind is not ChangeKind.UP:
+            self.calls.fail(ActorDied(f"actor {change.role!r} died: {change.reason}"), change.role)
+            address = self.book.get(change.role)
+            box = self._outboxes.pop(address, None) if address else None
+            if box is not None:
+                box.close()  # what is queued for the dead one must not reach its successor
+            log.warning(
+                "%s: peer %s %s (%s)", self.role, change.role, change.kind.value, change.reason
+            )
+        elif change.role in self.book or change.role == self.options.supervisor:
+            log.info("%s: peer %s is up", self.role, change.role)
+        self._slow.append(change)
+        self._slow_ready.set()
+
+    async def _on_peer_change(self, change: Change) -> None:
+        if change.kind is not ChangeKind.UP:
+            reason = change.reason if change.kind is ChangeKind.DOWN else RESTARTED
+            await self._guard(self.actor.on_peer_down(change.role, reason), None)
+        if change.kind is not ChangeKind.DOWN:
+            await self._guard(self.actor.on_peer_up(change.role), None)
 
     # -- sending -------------------------------------------------------------
     def _outbox(self, to: str) -> Outbox:
@@ -202,14 +305,31 @@ class ActorRuntime:
         return box
 
     async def _emit(
-        self, to: str, msg: Message, kind: Kind, msg_id: int, reply_to: int = 0
+        self,
+        to: str,
+        msg: Message,
+        kind: Kind,
+        msg_id: int,
+        reply_to: int = 0,
+        to_incarnation: int | None = None,
     ) -> bool:
         if self._intercepting:
             out = await self.interceptors.run(msg, "out", to, msg.TAG)
             if out is DROP:
                 return False
             msg = out
-        env = Envelope(msg.TAG, msg_id, self.role, kind, reply_to, self.address)
+        target = self.peers.incarnation(to) if to_incarnation is None else to_incarnation
+        env = Envelope(
+            msg.TAG,
+            msg_id,
+            self.role,
+            kind,
+            reply_to,
+            self.address,
+            None,
+            self.incarnation,
+            target,
+        )
         await self._outbox(to).send(self.codec.encode(env, msg))
         return True
 
@@ -259,7 +379,7 @@ class ActorRuntime:
 
     async def _reply(self, env: Envelope, msg: Message, kind: Kind) -> None:
         try:
-            await self._emit(env.sender, msg, kind, next(self._ids), env.id)
+            await self._emit(env.sender, msg, kind, next(self._ids), env.id, env.incarnation)
         except ActorError as exc:
             log.warning("%s: cannot reply to %s: %s", self.role, env.sender, exc)
 
@@ -279,11 +399,32 @@ class ActorRuntime:
         except DecodeError as exc:
             item = exc
         else:
-            self._learn(item[0])
+            env = item[0]
+            self._learn(env)
+            if self._stale(env, item[1]):
+                return
+            change = self.peers.heard(env.sender, env.incarnation, time.monotonic())
+            if change is not None:
+                self._peer_changed(change)
             if not self._slow and self._handle_now(*item):
                 return
         self._slow.append(item)
         self._slow_ready.set()
+
+    def _stale(self, env: Envelope, msg: Message) -> bool:
+        """Drop what an earlier incarnation of this actor was sent, and what a dead
+        incarnation of the sender still had in flight (a request gets an error)."""
+        if env.to_incarnation and env.to_incarnation != self.incarnation:
+            why = f"addressed to an earlier incarnation of {self.role}"
+        elif self.peers.is_stale(env.sender, env.incarnation):
+            why = f"from a dead incarnation of {env.sender}"
+        else:
+            return False
+        log.warning("%s: dropped %s from %s: %s", self.role, env.tag, env.sender, why)
+        if env.kind == Kind.REQUEST and self._learn(env):
+            reply = ErrorReply(code="stale_incarnation", message=why, status=503)
+            self.spawn(self._reply(env, reply, Kind.ERROR))
+        return True
 
     def _handle_now(self, env: Envelope, msg: Message) -> bool:
         """Finish ``msg`` here if that needs no await; False leaves it to the slow lane."""
@@ -311,7 +452,9 @@ class ActorRuntime:
                 continue
             item = slow[0]  # it stays queued while handled: later arrivals wait behind it
             try:
-                if isinstance(item, DecodeError):
+                if isinstance(item, Change):
+                    await self._on_peer_change(item)
+                elif isinstance(item, DecodeError):
                     await self._on_bad_frames(item)
                 elif item[0].kind >= Kind.REPLY:
                     await self._on_reply(*item)
@@ -357,6 +500,15 @@ class ActorRuntime:
         self.calls.deliver(env.reply_to, env.kind, msg)
 
     async def _on_message(self, env: Envelope, msg: Message) -> None:
+        controller = self.options.controller or self.options.supervisor
+        if isinstance(msg, _SUPERVISOR_ONLY) and env.sender != controller:
+            log.warning(
+                "%s: dropped %s from %s: control messages are obeyed only from the supervisor",
+                self.role,
+                env.tag,
+                env.sender,
+            )
+            return
         if self._intercepting:
             intercepted = await self._intercept_in(env, msg)
             if intercepted is None:
@@ -396,12 +548,16 @@ class ActorRuntime:
             PeerDown: lambda env, msg: self._peer_down(msg),
             PeerUp: lambda env, msg: self._peer_up(msg),
             Shutdown: self._shutdown,
+            Heartbeat: self._ignore,  # counted as a sign of life on arrival; nothing more
         }
         if Ping not in self.actor.handlers:
             table[Ping] = self._pong
         if GetStats not in self.actor.handlers:
             table[GetStats] = self._stats
         return table
+
+    async def _ignore(self, env: Envelope, msg: Message) -> None:
+        pass
 
     async def _pong(self, env: Envelope, msg: Ping) -> None:
         await self._reply(env, Pong(payload=msg.payload), Kind.REPLY)
@@ -410,30 +566,35 @@ class ActorRuntime:
         await self._reply(env, Stats(role=self.role, values=self.actor.stats()), Kind.REPLY)
 
     async def _shutdown(self, env: Envelope, msg: Message) -> None:
-        self.stop()
+        self.stop_gracefully()
         if env.kind == Kind.REQUEST:
             await self._reply(env, Ack(), Kind.REPLY)
 
     async def _peer_down(self, msg: PeerDown) -> None:
-        self.down.add(msg.role)
-        self.calls.fail(ActorDied(f"actor {msg.role!r} died: {msg.reason}"), to=msg.role)
-        await self._guard(self.actor.on_peer_down(msg.role, msg.reason), msg)
+        """The supervisor saw ``msg.role`` die: down now, without waiting for silence."""
+        change = self.peers.mark_down(msg.role, msg.reason, msg.incarnation)
+        if change is not None:
+            self._peer_changed(change)
 
     async def _peer_up(self, msg: PeerUp) -> None:
-        self.down.discard(msg.role)
+        """The supervisor restarted ``msg.role`` at ``msg.address``."""
         old = self.book.get(msg.role)
         self.book[msg.role] = msg.address
         if old and old != msg.address and old in self._outboxes:
             self._outboxes.pop(old).close()
-        await self._guard(self.actor.on_peer_up(msg.role), msg)
+        change = self.peers.heard(msg.role, msg.incarnation, time.monotonic())
+        if change is not None:
+            self._peer_changed(change)
 
     async def _guard(self, coro: Awaitable[Any], msg: Message | None) -> None:
         try:
             await coro
         except Exception as exc:
             log.exception("%s: hook failed", self.role)
-            with contextlib.suppress(Exception):
+            try:
                 await self.actor.on_failure(exc, msg)
+            except Exception:
+                log.exception("%s: on_failure failed", self.role)
 
     async def _dispatch(self, env: Envelope, msg: Message, handler: Callable[..., Any]) -> None:
         is_request = env.kind == Kind.REQUEST

@@ -64,6 +64,7 @@ from .transport import Frames, MemoryTransport
 __all__ = ["ActorHarness", "Sent", "check_inbox"]
 
 _SCHEME = "harness://"
+SUPERVISOR = "supervisor"
 
 
 def check_inbox(actor_cls: type[Actor]) -> None:
@@ -147,6 +148,7 @@ class ActorHarness:
             request_timeout_s=request_timeout_s,
             max_message_bytes=max_message_bytes,
             interceptors=interceptors,
+            controller=SUPERVISOR,  # the harness plays the supervisor too
         )
         self.runtime = ActorRuntime(actor, self.address, self.transport, options)
         self.runtime.book = _PeerBook(actor.role, self.runtime.book)
@@ -254,10 +256,10 @@ class ActorHarness:
 
     async def peer_down(self, role: str, reason: str = "killed by the test") -> None:
         """Tell the actor ``role`` died, as the supervisor would; then settle."""
-        await self.send(PeerDown(role=role, reason=reason), sender="supervisor")
+        await self.send(PeerDown(role=role, reason=reason), sender=SUPERVISOR)
 
     async def peer_up(self, role: str) -> None:
-        await self.send(PeerUp(role=role, address=_SCHEME + role), sender="supervisor")
+        await self.send(PeerUp(role=role, address=_SCHEME + role), sender=SUPERVISOR)
 
     async def _inject(
         self, msg: Message, sender: str, kind: Kind, msg_id: int | None = None

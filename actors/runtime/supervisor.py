@@ -1,15 +1,19 @@
-"""The launcher: starts a set of actors, in one process or one process each,
-waits for every READY, watches liveness, restarts, and shuts down cleanly.
+"""The launcher: starts a set of actors, in one process or one process each, waits
+for every READY, restarts what dies, and shuts down cleanly.
 
-Placement is configuration: ``placement="process"`` spawns one process per
-actor (ipc or tcp addresses), ``"inproc"`` runs them all on this event loop
-(inproc addresses; tests and notebooks). The code of the actors is the same.
+Placement is configuration: ``placement="process"`` spawns one process per actor
+(ipc or tcp addresses), ``"inproc"`` runs them all on this event loop (inproc
+addresses; tests and notebooks). The code of the actors is the same.
 
-A death is noticed two ways: the process exits (its pidfd becomes readable,
-within milliseconds), or its heartbeats stop for ``heartbeat_s *
-heartbeat_misses`` (it hangs; it is then killed). Either way every actor and
-attached client hears ``PeerDown`` at once and fails what it had pending on the
-dead one, and the role is restarted if ``deploy.restart[role]`` allows.
+Liveness is the actors' own (``peers``: heartbeats between every pair, incarnation
+ids); the launcher adds two things a peer cannot do. It sees a child process exit
+within milliseconds (its pidfd) and tells everyone at once (``PeerDown`` with the
+dead incarnation), and it kills a child whose heartbeats stopped (it hangs). Then,
+by ``deploy.restart_policy``, it starts the role again after a backoff (0.5 s,
+doubling up to 10 s), at most ``max_restarts`` times in ``restart_window_s``, and
+says ``PeerUp`` when the new incarnation is ready. Stopping, the gateway (if it is
+a member) goes first, so it can drain the requests in flight while the actors
+still serve them.
 """
 
 from __future__ import annotations
@@ -19,22 +23,22 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from ...config import EngineConfig
-from ...extensions.registry import Registry, get_registry, import_object
 from ...messages.base import Message
-from ...messages.control import Heartbeat, PeerDown, PeerUp, Ready, Shutdown
+from ...messages.control import PeerDown, PeerUp, Ready, Shutdown
 from ...messages.envelope import Envelope
+from .child import ACTOR_ROLES, ChildSpec, build_actor, run_actor
 from .dispatch import Actor, ActorError, ActorRuntime, RuntimeOptions, handles
 from .transport import ZmqTransport, free_port
 
@@ -42,7 +46,8 @@ __all__ = ["ACTOR_ROLES", "Launcher", "StartupError", "make_addresses", "run_act
 
 log = logging.getLogger(__name__)
 
-ACTOR_ROLES: Registry[type[Actor]] = get_registry("actor role", "actorlm actor ROLE")
+MAX_BACKOFF_S = 10.0
+GATEWAY = "gateway"  # started first (it binds the HTTP port), stopped first (it drains)
 
 
 class StartupError(RuntimeError):
@@ -61,90 +66,6 @@ def make_addresses(roles: list[str], transport: str, run_dir: str) -> dict[str, 
     raise ValueError(f"unknown transport {transport!r}; known: inproc, ipc, tcp")
 
 
-def build_actor(spec: str, config: EngineConfig) -> Actor:
-    """``spec`` is a registered role name or a ``"module:Class"`` path."""
-    if ":" in spec:
-        cls = import_object(spec)
-    else:
-        from .. import roles  # noqa: F401  (registers the built-in roles)
-
-        cls = ACTOR_ROLES.get(spec)
-    return cls(config)
-
-
-async def run_actor(
-    spec: str,
-    config: EngineConfig,
-    address: str,
-    book: dict[str, str],
-    supervisor: str = "",
-    parent_pid: int = 0,
-    *,
-    bind: str = "",
-) -> None:
-    """Run one actor until it is told to stop (or its parent process is gone)."""
-    transport = ZmqTransport()
-    options = RuntimeOptions(
-        request_timeout_s=config.deploy.request_timeout_s,
-        heartbeat_s=config.deploy.heartbeat_s,
-        max_message_bytes=config.deploy.max_message_bytes,
-        supervisor=supervisor,
-        book=book,
-        bind=bind,
-    )
-    actor = build_actor(spec, config)
-    role = actor.role
-    runtime = ActorRuntime(actor, address, transport, options)
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGTERM, runtime.stop)
-
-    async def orphan_watch() -> None:
-        while parent_pid and os.getppid() == parent_pid:
-            await asyncio.sleep(0.5)
-        if parent_pid:
-            log.warning("%s: parent %d is gone; stopping", role, parent_pid)
-            runtime.stop()
-
-    watch = asyncio.create_task(orphan_watch())
-    try:
-        await runtime.serve()
-    finally:
-        watch.cancel()
-        transport.close()
-
-
-class ChildSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What a spawned actor process reads from its stdin."""
-
-    spec: str
-    config: EngineConfig
-    address: str
-    book: dict[str, str]
-    supervisor: str
-    parent: int
-    sys_path: list[str]
-
-
-def child_main() -> None:
-    """Entry of ``python -m actorlm.actors.child``: one actor, told what to be on stdin.
-
-    A fresh interpreter (not multiprocessing's spawn) so the parent's ``__main__``
-    is never re-imported: scripts without an ``if __name__ == "__main__"`` guard work.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
-    child = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ChildSpec)
-    sys.path[:] = list(dict.fromkeys([*child.sys_path, *sys.path]))
-    from .process import event_loop_runner, prepare_process
-
-    prepare_process(child.config, child.spec)
-    event_loop_runner()(
-        run_actor(
-            child.spec, child.config, child.address, child.book, child.supervisor, child.parent
-        )
-    )
-
-
 @dataclass
 class _Member:
     role: str
@@ -156,15 +77,16 @@ class _Member:
     runtime: ActorRuntime | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     info: dict[str, Any] = field(default_factory=dict)
-    last_beat: float = 0.0
-    restarts: int = 0
     alive: bool = False
     pid: int = 0
+    incarnation: int = 0
+    restarts: int = 0  # in all
+    recent: list[float] = field(default_factory=list)  # restart times within the window
 
 
 class _SupervisorActor(Actor):
     role = "supervisor"
-    inbox = (Ready, Heartbeat)
+    inbox = (Ready,)
 
     def __init__(self, config: EngineConfig, launcher: Launcher) -> None:
         super().__init__(config)
@@ -175,16 +97,11 @@ class _SupervisorActor(Actor):
         member = self.launcher.members.get(msg.role)
         if member is not None:
             member.info = dict(msg.info)
-            member.pid = msg.pid
-            member.last_beat = time.monotonic()
+            member.pid, member.incarnation = msg.pid, msg.incarnation
             member.alive = True
             member.ready.set()
-
-    @handles(Heartbeat)
-    async def on_heartbeat(self, msg: Heartbeat, env: Envelope) -> None:
-        member = self.launcher.members.get(msg.role)
-        if member is not None:
-            member.last_beat = time.monotonic()
+            if self.launcher.on_ready is not None:
+                self.launcher.on_ready(msg.role)
 
 
 class Launcher:
@@ -211,16 +128,19 @@ class Launcher:
         given = dict(deploy.addresses)
         given.update(addresses or {})
         specs = roles if isinstance(roles, dict) else {r: r for r in roles}
+        if GATEWAY in specs:  # first to start, first to stop
+            specs = {GATEWAY: specs[GATEWAY], **specs}
         fresh = make_addresses([*specs, "supervisor"], transport, self.run_dir)
         self.book = {r: given.get(r, fresh[r]) for r in [*specs, "supervisor"]}
         self.members = {r: _Member(r, spec, self.book[r]) for r, spec in specs.items()}
         self.transport = ZmqTransport()
+        self.on_ready: Callable[[str], None] | None = None  # called with each role's READY
         self._clients: list[ActorRuntime] = []
         self._supervisor = ActorRuntime(
             _SupervisorActor(config, self),
             self.book["supervisor"],
             self.transport,
-            RuntimeOptions(request_timeout_s=deploy.request_timeout_s, book=dict(self.book)),
+            RuntimeOptions.from_deploy(deploy, book=dict(self.book)),
         )
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
@@ -246,30 +166,31 @@ class Launcher:
     def info(self, role: str) -> dict[str, Any]:
         return self.members[role].info
 
-    async def start(self, timeout: float = 600.0) -> None:
+    async def start(self, timeout: float | None = None) -> None:
         self._tasks.append(asyncio.create_task(self._supervisor.serve(), name="supervisor"))
         await self._supervisor.ready.wait()
         for member in self.members.values():
             self._spawn(member)
         try:
-            await self._wait_ready(list(self.members.values()), timeout)
+            await self._wait_ready(
+                list(self.members.values()), timeout or self.config.deploy.start_timeout_s
+            )
         except BaseException:
             await self.stop()
             raise
-        self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="heartbeats"))
+        self._tasks.append(asyncio.create_task(self._watch_hung(), name="hung-watch"))
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Ask every actor to stop, wait, then terminate and kill stragglers; clean up files."""
+        """Stop the gateway (it drains), then every actor; kill stragglers; clean up."""
         if self._stopping:
             return
         self._stopping = True
-        for member in self.members.values():
-            if member.alive or member.process is not None or member.task is not None:
-                with contextlib.suppress(Exception):
-                    await self._supervisor.send(member.role, Shutdown(reason="launcher stopping"))
-        deadline = time.monotonic() + timeout
-        for member in self.members.values():
-            await self._reap(member, deadline)
+        gateway = self.members.get(GATEWAY)
+        if gateway is not None:
+            drain = self.config.server.drain_timeout_s + 2.0
+            await self._shutdown([gateway], time.monotonic() + drain)
+        rest = [m for m in self.members.values() if m is not gateway]
+        await self._shutdown(rest, time.monotonic() + timeout)
         for task in self._tasks:
             task.cancel()
         self._supervisor.stop()
@@ -283,21 +204,24 @@ class Launcher:
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    async def _shutdown(self, members: list[_Member], deadline: float) -> None:
+        for member in members:
+            if member.alive or member.process is not None or member.task is not None:
+                with contextlib.suppress(Exception):
+                    await self._supervisor.send(member.role, Shutdown(reason="launcher stopping"))
+        for member in members:
+            await self._reap(member, deadline)
+
     # -- spawning -------------------------------------------------------------
     def _spawn(self, member: _Member) -> None:
         member.ready = asyncio.Event()
         member.alive = False
         if self.placement == "inproc":
+            options = RuntimeOptions.from_deploy(
+                self.config.deploy, supervisor="supervisor", book=dict(self.book)
+            )
             runtime = ActorRuntime(
-                build_actor(member.spec, self.config),
-                member.address,
-                self.transport,
-                RuntimeOptions(
-                    request_timeout_s=self.config.deploy.request_timeout_s,
-                    heartbeat_s=self.config.deploy.heartbeat_s,
-                    supervisor="supervisor",
-                    book=dict(self.book),
-                ),
+                build_actor(member.spec, self.config), member.address, self.transport, options
             )
             member.runtime = runtime
             member.task = asyncio.create_task(runtime.serve(), name=member.role)
@@ -360,19 +284,43 @@ class Launcher:
         log.error("actor %s died: %s", member.role, why)
         asyncio.get_running_loop().create_task(self._handle_death(member, why))
 
+    def _restart_delay(self, member: _Member) -> float | None:
+        """Seconds to wait before restarting ``member``, or None: leave it down."""
+        deploy = self.config.deploy
+        if deploy.restart_policy == "never":
+            return None
+        now = time.monotonic()
+        member.recent = [t for t in member.recent if now - t < deploy.restart_window_s]
+        if len(member.recent) >= deploy.max_restarts:
+            log.error(
+                "actor %s died %d times within %gs: leaving it down",
+                member.role,
+                len(member.recent),
+                deploy.restart_window_s,
+            )
+            return None
+        return min(MAX_BACKOFF_S, deploy.restart_backoff_s * 2 ** len(member.recent))
+
     async def _handle_death(self, member: _Member, reason: str) -> None:
-        await self._broadcast(PeerDown(role=member.role, reason=reason), exclude=member.role)
-        allowed = self.config.deploy.restart.get(member.role, 0)
-        if self._stopping or member.restarts >= allowed:
+        dead = PeerDown(role=member.role, reason=reason, incarnation=member.incarnation)
+        await self._broadcast(dead, exclude=member.role)
+        delay = self._restart_delay(member)
+        if self._stopping or delay is None:
             return
+        member.recent.append(time.monotonic())
         member.restarts += 1
-        log.warning("restarting %s (%d/%d)", member.role, member.restarts, allowed)
+        log.warning("restarting %s in %.1fs (restart %d)", member.role, delay, member.restarts)
+        await asyncio.sleep(delay)
+        if self._stopping:
+            return
         self._spawn(member)
         try:
-            await self._wait_ready([member], 600.0)
-        except StartupError:
+            await self._wait_ready([member], self.config.deploy.start_timeout_s)
+        except StartupError as exc:
+            log.error("restarting %s failed: %s", member.role, exc)
             return
-        await self._broadcast(PeerUp(role=member.role, address=member.address), exclude=member.role)
+        up = PeerUp(role=member.role, address=member.address, incarnation=member.incarnation)
+        await self._broadcast(up, exclude=member.role)
 
     async def _broadcast(self, msg: Message, exclude: str) -> None:
         for role, other in self.members.items():
@@ -413,27 +361,29 @@ class Launcher:
         if slow:
             raise StartupError(f"actors not ready after {timeout:g}s: {', '.join(slow)}")
 
-    async def _watch_heartbeats(self) -> None:
-        deploy = self.config.deploy
-        limit = deploy.heartbeat_s * deploy.heartbeat_misses
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(deploy.heartbeat_s)
-            now = time.monotonic()
-            if now - last > 2 * deploy.heartbeat_s:
-                # This loop itself was starved (a busy client on the same loop): heartbeats
-                # may sit unread in our inbox, so do not blame the actors for our lateness.
-                for member in self.members.values():
-                    member.last_beat = max(member.last_beat, now)
-            last = now
+    async def _watch_hung(self) -> None:
+        """Kill a child whose heartbeats stopped (the supervisor's peer table says it is
+        down while its process lives): its exit then goes the usual way."""
+        peers = self._supervisor.peers
+        while not self._stopping:
+            await asyncio.sleep(self.config.deploy.heartbeat_s)
             for member in self.members.values():
-                if self._stopping:
-                    return
-                if member.alive and member.process is not None and now - member.last_beat > limit:
+                peer = peers.peers.get(member.role)
+                hung = (
+                    member.alive
+                    and member.process is not None
+                    and peer is not None
+                    and peer.incarnation == member.incarnation
+                    and not peer.up
+                )
+                if hung and not self._stopping:
                     log.error(
-                        "actor %s missed heartbeats for %.1fs; killing it", member.role, limit
+                        "actor %s sent nothing for %gs; killing it",
+                        member.role,
+                        self.config.deploy.peer_timeout_s,
                     )
-                    member.process.kill()  # the sentinel reports the death
+                    assert member.process is not None
+                    member.process.kill()  # the pidfd reports the death
 
     async def _reap(self, member: _Member, deadline: float) -> None:
         if member.task is not None:

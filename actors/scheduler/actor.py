@@ -4,6 +4,13 @@ Its loop runs one step at a time: at most one exchange with the cache manager
 (every page operation of the step in one ``CacheStep``), then exactly one with
 the worker (``ForwardBatch`` → ``StepResult``), then one ``TokenBatch`` per
 tokenizer. Requests, aborts and stop-string finishes arrive between steps.
+
+It decides when the KV pool is lost: when the worker or the cache manager goes
+down or comes back as a new incarnation, the requests running on it fail (or,
+with ``on_worker_loss=recompute``, go back to the queue to be computed again from
+their tokens), and the pool epoch it sends with every ``CacheStep`` goes up, so the
+cache manager forgets every page mapping before it admits anything again. Nothing
+is ever served from KV that no longer exists, whoever noticed the death first.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+
+import msgspec
 
 from ...messages.cache import CacheStepResult
 from ...messages.envelope import Envelope
@@ -51,6 +60,9 @@ class SchedulerActor(Actor):
         self.reply_to: dict[str, str] = {}  # rid → tokenizer role that owns it
         self._wake = asyncio.Event()
         self._step_id = 0
+        # Bumped whenever the pool's contents are lost: our incarnation makes a restarted
+        # scheduler's epochs differ from its predecessor's too.
+        self.pool_epoch = (self.runtime.incarnation & (2**40 - 1)) << 20
         self.spawn(self._loop(), name="scheduler-loop")
 
     def stats(self) -> dict[str, Any]:
@@ -97,8 +109,30 @@ class SchedulerActor(Actor):
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role in ("worker", "cache_manager"):
-            self.planner.fail_all(f"the {role} actor died ({reason})", ErrorCode.UNAVAILABLE)
+            self.pool_epoch += 1
+            self.planner.pool_lost()
+            if self.config.scheduler.on_worker_loss == "recompute":
+                log.warning("%s lost (%s): recomputing running requests", role, reason)
+                self.planner.requeue_running()
+            else:
+                self.planner.fail_all(f"the {role} actor died ({reason})", ErrorCode.UNAVAILABLE)
             self._wake.set()
+            return
+        # A tokenizer (or a client it forwards for) is gone: nobody reads those outputs.
+        orphans = [rid for rid, owner in self.reply_to.items() if owner == role]
+        for rid in orphans:
+            self.planner.abort(rid, notify=False)
+            del self.reply_to[rid]
+        if orphans:
+            log.warning("%s went down: aborted its %d request(s)", role, len(orphans))
+            self._wake.set()
+
+    async def on_peer_up(self, role: str) -> None:
+        if role in ("worker", "cache_manager"):
+            self._wake.set()  # requeued requests can run again
+
+    def _pool_down(self) -> bool:
+        return bool({"worker", "cache_manager"} & self.runtime.down)
 
     # -- the loop ---------------------------------------------------------------
     async def _emit(self, deltas: list[TokenDelta]) -> None:
@@ -123,7 +157,7 @@ class SchedulerActor(Actor):
             # (its handler sets the event) is never slept through.
             self._wake.clear()
             await self._emit(planner.take_deltas())
-            if not planner.has_work():
+            if not planner.has_work() or self._pool_down():
                 await self._wake.wait()
                 continue
             if not await self._step():
@@ -163,6 +197,7 @@ class SchedulerActor(Actor):
         ops = planner.cache_ops()
         if ops is None:
             return False
+        ops = msgspec.structs.replace(ops, pool_epoch=self.pool_epoch)
         try:
             result = await self.request("cache_manager", ops)
         except ActorError as exc:

@@ -166,6 +166,25 @@ class BatchPlanner:
         if waiting:
             self.waiting.clear()
 
+    def pool_lost(self) -> None:
+        """The KV pool's contents are gone (its worker or cache manager was lost): forget
+        every pending operation on its pages. Running requests must then fail or be
+        requeued; the cache manager starts over with the next pool epoch."""
+        self._finishes, self._releases, self._commits = [], [], []
+        self._extends = {}
+        self._store_pages, self._load_pages = [], []
+        self._hold_admission = False
+
+    def requeue_running(self) -> None:
+        """Every running request goes back to the queue, to be computed again from its
+        tokens (prompt and outputs so far) on the next pool: its stream goes on."""
+        for req in sorted(self.running.values(), key=lambda r: r.seq):
+            req.pages, req.computed, req.committed = [], 0, False
+            req.needs_init, req.blocked, req.chunk = True, False, 0
+            self.waiting[req.rid] = req
+            self._worker_release.append(req.rid)
+        self.running.clear()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finishes or self._releases)
 

@@ -247,6 +247,15 @@ class TokenizerActor(Actor):
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role != "scheduler":
+            # A client is gone: nobody reads its outputs, so stop computing them.
+            orphans = [rid for rid, live in self.live.items() if live.reply_to == role]
+            for rid in orphans:
+                live = self.live.pop(rid)
+                self.sent.pop(live.msg_id, None)
+                try:
+                    await self.send("scheduler", AbortRequest(rid=rid, reason="abort"))
+                except ActorError as exc:
+                    log.warning("cannot abort %s: %s", rid, exc)
             return
         for rid, live in list(self.live.items()):
             await self._fail(

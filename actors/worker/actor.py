@@ -16,7 +16,7 @@ import numpy as np
 from ...messages.control import GetInfo, Info
 from ...messages.envelope import Envelope
 from ...messages.step import ForwardBatch, StepResult
-from ..runtime import Actor, handles
+from ..runtime import RESTARTED, Actor, handles
 
 __all__ = ["WorkerActor"]
 
@@ -69,6 +69,12 @@ class WorkerActor(Actor):
             pool.write_pages_numpy(
                 [io.page_id], np.frombuffer(blob, dtype=dtype).reshape(shape).copy()
             )
+
+    async def on_peer_down(self, role: str, reason: str) -> None:
+        if role == "scheduler" and reason == RESTARTED:
+            # Its requests died with it: their sampling state here is garbage.
+            async with self._lock:
+                self.runner.sampler.release_all()
 
     @handles(GetInfo)
     async def on_info(self, msg: GetInfo, env: Envelope) -> Info:

@@ -163,6 +163,8 @@ envelopes = st.builds(
     ints,
     text,
     st.none() | st.dictionaries(text, text, max_size=2),
+    ints,
+    ints,
 )
 
 
@@ -197,7 +199,7 @@ def test_real_messages_round_trip(msg: Message, env: Envelope) -> None:
 @given(msg=messages)
 def test_the_wire_is_plain_msgpack(msg: Message) -> None:
     env_frame, body = frames_for(
-        msg, Envelope("", 7, "gateway", Kind.REQUEST, 3, "ipc:///tmp/gw.sock")
+        msg, Envelope("", 7, "gateway", Kind.REQUEST, 3, "ipc:///tmp/gw.sock", None, 11, 12)
     )
     assert msgpack.unpackb(env_frame) == [
         msg.TAG,
@@ -207,6 +209,8 @@ def test_the_wire_is_plain_msgpack(msg: Message) -> None:
         3,
         "ipc:///tmp/gw.sock",
         None,
+        11,  # the sender's incarnation
+        12,  # the receiver's, as the sender knows it
     ]
     expected = _lists(msgspec.to_builtins(msg, builtin_types=(bytes,)))
     assert msgpack.unpackb(body, strict_map_key=False) == expected

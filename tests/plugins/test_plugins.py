@@ -276,16 +276,16 @@ def test_platform_plugin_sets_defaults_and_brings_its_plugin(serve_run: Run) -> 
     out = serve_run.out
     status, info = out["info"]
     assert status == 200
-    # adjust_defaults (run in the gateway process) chose the platform's attention backend...
+    # adjust_defaults (run in the serving process) chose the platform's attention backend...
     assert info["config"]["model"]["attention_backend"] == "example_device_attention"
     assert serve_run.pids("platform.adjust_defaults") == {out["pid"]}
     # ...which the sibling general plugin registered, and the worker ran.
     (worker,) = serve_run.pids("device_attention.step")
     assert "attention.step" not in serve_run.records  # not the other plugin's backend
-    # The sibling plugin of the active platform loaded in every process: the gateway
-    # and the four actors.
+    # The sibling plugin of the active platform loaded in every process: the supervisor,
+    # the gateway and the four actors.
     extras = serve_run.pids("extras.register")
-    assert len(extras) == 5 and {out["pid"], worker} <= extras
+    assert len(extras) == 6 and {out["pid"], worker} <= extras
     assert "disabled.register" not in serve_run.records
 
 

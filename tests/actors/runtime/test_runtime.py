@@ -118,7 +118,7 @@ def test_killed_actor_fails_pending_requests_within_a_second() -> None:
 
 def test_restart_policy_brings_the_actor_back() -> None:
     async def main() -> None:
-        async with cluster(config(restart={"echo": 1})) as (launcher, client):
+        async with cluster(config(max_restarts=1, restart_backoff_s=0.05)) as (launcher, client):
             first = launcher.info("echo")["pid"]
             os.kill(first, signal.SIGKILL)
             for _ in range(200):
@@ -134,7 +134,7 @@ def test_restart_policy_brings_the_actor_back() -> None:
 
 def test_hung_actor_is_detected_by_missed_heartbeats() -> None:
     async def main() -> None:
-        cfg = config(heartbeat_s=0.1, heartbeat_misses=5)
+        cfg = config(heartbeat_s=0.1, peer_timeout_s=0.5)
         async with cluster(cfg) as (launcher, client):
             pending = asyncio.create_task(
                 client.request("echo", Sleep(seconds=60, block=True), timeout=60)
