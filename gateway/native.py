@@ -188,18 +188,17 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while every pipeline actor is alive; else 503 saying why, naming the roles
+    that are down (as this gateway's liveness tracking sees them right now)."""
     state = request.app[STATE]
-    if (
-        state.ready
-        and not state.draining
-        and state.client is not None
-        and not state.client.actor.runtime.down
-    ):
+    down = state.down_roles()
+    if state.ready and not state.draining and not down:
         return web.json_response({"status": "ok"})
     status = "draining" if state.draining else ("failed" if state.startup_error else "loading")
-    if state.ready and state.client is not None and state.client.actor.runtime.down:
-        status = "degraded"
-    return web.json_response({"status": status}, status=503, headers={"Retry-After": "2"})
+    body: dict[str, Any] = {"status": status}
+    if state.ready and down and not state.draining:
+        body = {"status": "degraded", "down": down}
+    return web.json_response(body, status=503, headers={"Retry-After": "2"})
 
 
 async def health_generate(request: web.Request) -> web.Response:

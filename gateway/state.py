@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..actors.client import EngineClient
+from ..actors.client import PIPELINE_ROLES, EngineClient
 from ..config import EngineConfig
 from .errors import ApiError
 from .metrics import GatewayMetrics
@@ -75,15 +75,21 @@ class GatewayState:
         if self.client is None or not self.ready:
             why = self.startup_error or "the model is still loading"
             raise ApiError(503, why, code="not_ready", headers={"Retry-After": "2"})
-        down = self.client.actor.runtime.down
+        down = self.down_roles()
         if down:
             raise ApiError(
                 503,
-                f"actor(s) {', '.join(sorted(down))} are down; try again shortly",
+                f"actor(s) {', '.join(down)} are down; try again shortly",
                 code="actor_down",
                 headers={"Retry-After": "2"},
             )
         return self.client
+
+    def down_roles(self) -> list[str]:
+        """The pipeline actors that are down now."""
+        if self.client is None:
+            return []
+        return sorted(set(PIPELINE_ROLES) & self.client.actor.runtime.down)
 
     def admit(self, count: int) -> EngineClient:
         """The client, if ``count`` more requests fit under ``max_queued_requests`` (else 429)."""

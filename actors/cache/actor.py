@@ -74,7 +74,17 @@ class CacheManagerActor(Actor):
             "storage_hit_pages": self.storage_hits,
             "prefix_waits": self.prefix_waits,
             "pool_resets": self.resets,
+            "consistent": self._consistent(),
         }
+
+    def _consistent(self) -> bool:
+        """The cache core's own check: every page free, private or cached, exactly once."""
+        try:
+            self.kv.check_invariants()
+        except AssertionError as exc:
+            log.error("the KV cache is inconsistent: %s", exc)
+            return False
+        return True
 
     @handles(FlushCache)
     async def on_flush(self, msg: FlushCache, env: Envelope) -> Ack:

@@ -1,0 +1,67 @@
+"""Talking to a running server from tests: plain HTTP calls and a streaming request
+that records how it ended (no extra packages)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+__all__ = ["Stream", "get_text", "http"]
+
+
+def http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+    except OSError:
+        return 0, {}
+
+
+def get_text(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+class Stream(threading.Thread):
+    """A long streaming completion; records when and how it ended."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.events: list[str] = []
+        self.ended = 0.0
+        self.first = threading.Event()
+
+    def run(self) -> None:
+        body = {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.first.set()
+        except OSError as exc:
+            self.events.append(f"closed: {exc}")
+        self.ended = time.monotonic()
+        self.first.set()
+
+    @property
+    def failed_cleanly(self) -> bool:
+        return any('"error"' in e for e in self.events)
