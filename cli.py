@@ -13,10 +13,24 @@ from typing import Any
 
 import msgspec
 
+from .actors.runtime.keys import KEY_ROLES, InsecureBindError, MissingKeyError, create_keys
 from .config import EngineConfig
-from .launch import _SECTIONS, config_from_options, load_deployment, resolve_config
+from .extensions.plugins import PlatformError
+from .extensions.registry import UnknownNameError
+from .launch import _SECTIONS, ConfigError, config_from_options, load_deployment, resolve_config
 
-__all__ = ["build_parser", "main"]
+__all__ = ["USER_ERRORS", "build_parser", "main"]
+
+# What a user's mistake raises (bugs raise anything else, and keep their traceback).
+USER_ERRORS = (
+    ConfigError,
+    UnknownNameError,
+    PlatformError,
+    MissingKeyError,
+    InsecureBindError,
+    FileNotFoundError,
+    PermissionError,
+)
 
 # Flag spellings users of SGLang/vLLM expect, beside the generated ones.
 _ALIASES = {
@@ -30,12 +44,8 @@ _ALIASES = {
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     seen: set[str] = set()
     for section, cls in _SECTIONS.items():
-        if section == "deploy":
-            fields = [
-                f
-                for f in msgspec.structs.fields(cls)
-                if f.name in ("transport", "request_timeout_s")
-            ]
+        if section == "deploy":  # addresses come from a deployment file
+            fields = [f for f in msgspec.structs.fields(cls) if f.name != "addresses"]
         else:
             fields = list(msgspec.structs.fields(cls))
         group = parser.add_argument_group(section)
@@ -88,22 +98,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer", action="append", default=[], metavar="ROLE=ADDR", help="a peer's address"
     )
     _add_config_flags(actor)
+    keys = sub.add_parser("keys", help="create CurveZMQ key pairs for tcp deployments")
+    keys.add_argument("dir", help="folder for ROLE.key (public) and ROLE.key_secret files")
+    keys.add_argument(
+        "--roles",
+        default=",".join(KEY_ROLES),
+        help=f"comma-separated roles (default: {','.join(KEY_ROLES)})",
+    )
     sub.add_parser("plugins", help="list plugins, the platform, registries, hooks and interceptors")
     sub.add_parser("messages", help="print the schema of every message")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``actorlm`` command. A user's mistake (a bad flag value, a missing file, an
+    unknown name) is one line on stderr and exit status 2, never a traceback."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except USER_ERRORS as exc:
+        print(f"actorlm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "actor":
         return _actor(args)
+    if args.command == "keys":
+        made = create_keys(args.dir, tuple(r for r in args.roles.split(",") if r))
+        print(f"actorlm: {len(made)} key pair(s) in {args.dir}")
+        for path in made:
+            print(f"  {path.with_suffix('.key')}  {path}")
+        return 0
     if args.command == "plugins":
         from .report import print_plugins
 
-        print_plugins(sys.stdout)
-        return 0
+        return print_plugins(sys.stdout)
     from .schema import print_schemas
 
     print_schemas(sys.stdout)
@@ -118,12 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
     base = deployment.config if deployment is not None else EngineConfig()
     config = config_from_options(base, **_options(args))
     prepare_process(config, "gateway")
-    try:
-        config = resolve_config(config)
-    except FileNotFoundError as exc:
-        print(f"actorlm: {exc}", file=sys.stderr)
-        return 2
-    return serve(config, deployment)
+    return serve(resolve_config(config), deployment)
 
 
 def _actor(args: argparse.Namespace) -> int:
@@ -134,17 +161,13 @@ def _actor(args: argparse.Namespace) -> int:
         deployment = load_deployment(args.deploy)
         config = config_from_options(deployment.config, **_options(args))
         if args.role not in deployment.addresses:
-            print(f"actorlm: {args.role!r} is not in {args.deploy}", file=sys.stderr)
-            return 2
+            raise ConfigError(f"{args.deploy} has no [actors.{args.role}]")
         book = dict(deployment.addresses)
         bind = args.bind or deployment.binds[args.role]
         address = deployment.addresses[args.role]
     else:
         if not args.bind:
-            print(
-                "actorlm: give --deploy FILE, or --bind ADDR with --peer ROLE=ADDR", file=sys.stderr
-            )
-            return 2
+            raise ConfigError("give --deploy FILE, or --bind ADDR with --peer ROLE=ADDR")
         config = config_from_options(EngineConfig(), **_options(args))
         book = dict(p.split("=", 1) for p in args.peer)
         bind, address = args.bind, args.address or args.bind

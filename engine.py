@@ -104,7 +104,7 @@ class Engine:
         else:
             from .actors.runtime.transport import ZmqTransport, free_port
 
-            transport = ZmqTransport()
+            transport = ZmqTransport.for_deploy(self.config.deploy)
             address = f"tcp://127.0.0.1:{free_port()}"
             book = dict(self._deployment.addresses)
         self._runtime = ActorRuntime(

@@ -37,7 +37,27 @@ from .config import (
     ServerConfig,
 )
 
-__all__ = ["Deployment", "config_from_options", "load_deployment", "resolve_config"]
+__all__ = [
+    "ConfigError",
+    "Deployment",
+    "config_from_options",
+    "load_deployment",
+    "resolve_config",
+    "validate_config",
+]
+
+
+class ConfigError(TypeError, ValueError):
+    """A setting that cannot work; the message says which and what would."""
+
+
+# Settings with a fixed set of values (those chosen from a registry are checked by name).
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("scheduler", "policy"): ("fcfs", "lpm", "priority"),
+    ("scheduler", "on_worker_loss"): ("fail", "recompute"),
+    ("deploy", "transport"): ("inproc", "ipc", "tcp"),
+    ("deploy", "restart_policy"): ("on-failure", "never"),
+}
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig,
@@ -63,13 +83,57 @@ def config_from_options(base: EngineConfig | None = None, **options: Any) -> Eng
             continue
         section = owners.get(key)
         if section is None:
-            raise TypeError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
+            raise ConfigError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
         updates.setdefault(section, {})[key] = value
     for section, values in updates.items():
-        current = getattr(config, section)
-        merged = msgspec.convert({**msgspec.to_builtins(current), **values}, type(current))
-        config = msgspec.structs.replace(config, **{section: merged})
+        config = msgspec.structs.replace(config, **{section: _merged(config, section, values)})
     return config
+
+
+def _merged(config: EngineConfig, section: str, values: dict[str, Any]) -> msgspec.Struct:
+    current = getattr(config, section)
+    try:
+        return msgspec.convert({**msgspec.to_builtins(current), **values}, type(current))
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"[{section}] {exc}") from None
+
+
+def validate_config(config: EngineConfig) -> None:
+    """Refuse, in one clear line, settings that cannot work, before any actor starts.
+    (Names from registries that only the worker loads, like quantization methods, are
+    checked there.)"""
+    from .extensions.points import (
+        ATTENTION_BACKENDS,
+        EVICTION_POLICIES,
+        HICACHE_STORAGE,
+        WEIGHT_LOADERS,
+    )
+
+    for (section, name), allowed in _CHOICES.items():
+        value = getattr(getattr(config, section), name)
+        if value not in allowed:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {value!r}: choose one of {', '.join(allowed)}"
+            )
+    import actorlm.actors.cache.eviction  # noqa: F401  (register the built-ins, lazily)
+    import actorlm.actors.cache.hicache  # noqa: F401
+    import actorlm.gpu.attention  # noqa: F401
+    import actorlm.gpu.loaders  # noqa: F401
+
+    m, c = config.model, config.cache
+    for registry, value in (
+        (ATTENTION_BACKENDS, m.attention_backend),
+        (WEIGHT_LOADERS, "" if m.load_format == "auto" else m.load_format),
+        (EVICTION_POLICIES, c.eviction_policy),
+        (HICACHE_STORAGE, c.hicache_storage_backend),
+    ):
+        if value and value not in registry:
+            known = ", ".join(registry.names()) or "none"
+            raise ConfigError(
+                f"unknown {registry.kind} {value!r} ({registry.flag}); known: {known}"
+            )
+    if c.hicache_storage_backend and not c.hicache_storage_dir:
+        raise ConfigError("--hicache-storage-backend needs --hicache-storage-dir")
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
@@ -81,10 +145,11 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
     # The platform fills what the user left open (device, attention backend, page size).
     config = current_platform().adjust_defaults(config)
+    validate_config(config)
     m = config.model
     path = m.path or str(default_model_path())
     if not Path(path).exists():
-        raise FileNotFoundError(f"model not found: {path}")
+        raise ConfigError(f"model not found: {path}")
     info = load_model_info(path)
     max_len = m.max_model_len or info.max_model_len
     if info.sliding_window:
@@ -111,17 +176,25 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def load_deployment(path: str | Path, base: EngineConfig | None = None) -> Deployment:
-    data = tomllib.loads(Path(path).read_text())
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the deployment file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     actors = data.pop("actors", {})
     config = base or EngineConfig()
     for section, values in data.items():
         if section not in _SECTIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: unknown section [{section}]; known: actors, {', '.join(_SECTIONS)}"
             )
-        current = getattr(config, section)
-        merged = msgspec.convert({**msgspec.to_builtins(current), **values}, type(current))
-        config = msgspec.structs.replace(config, **{section: merged})
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: [{section}] must be a table")
+        config = msgspec.structs.replace(config, **{section: _merged(config, section, values)})
+    bad = [r for r, spec in actors.items() if not isinstance(spec, dict) or "address" not in spec]
+    if bad:
+        raise ConfigError(f'{path}: [actors.{bad[0]}] needs an address = "tcp://host:port"')
     addresses = {role: str(spec["address"]) for role, spec in actors.items()}
     binds = {role: str(spec.get("bind", spec["address"])) for role, spec in actors.items()}
     deploy = msgspec.structs.replace(config.deploy, addresses=addresses, transport="tcp")

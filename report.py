@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TextIO
 
 __all__ = ["print_plugins"]
 
 
-def print_plugins(out: TextIO) -> None:
+def print_plugins(out: TextIO) -> int:
+    """Print the report; the exit status (1 when the platform could not be chosen or a
+    plugin failed)."""
     from .extensions.hooks import HookRegistry
     from .extensions.interceptors import interceptors
     from .extensions.plugins import PlatformError, current_platform, load_plugins
@@ -56,3 +59,6 @@ def print_plugins(out: TextIO) -> None:
         print("  (none)", file=out)
     for err in report.errors:
         print(f"error: {err}", file=out)
+    if report.platform_error:
+        print(f"actorlm: error: {report.platform_error}", file=sys.stderr)
+    return 1 if report.platform_error or report.errors else 0

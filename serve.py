@@ -87,7 +87,7 @@ async def _gateway_alone(config: EngineConfig, deployment: Deployment, stop: asy
     actor = GatewayActor(config)
     book = dict(deployment.addresses)
     address = book.get("gateway") or f"tcp://{config.server.host}:{free_port(config.server.host)}"
-    transport = ZmqTransport()
+    transport = ZmqTransport.for_deploy(config.deploy)
     options = RuntimeOptions.from_deploy(
         config.deploy, book=book, bind=deployment.binds.get("gateway", "")
     )

@@ -284,5 +284,6 @@ def _fail(report: PluginReport, message: str) -> None:
 
 
 def _platform_fail(report: PluginReport, message: str) -> None:
+    # Not logged: load_plugins raises it, and whoever catches it says it once.
     report.platform_error = message
-    _fail(report, message)
+    report.errors.append(message)

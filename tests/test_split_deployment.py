@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from actorlm.actors.runtime.keys import create_keys
 from actorlm.actors.runtime.transport import free_port
 
 from tests.servers import Stream, http
@@ -31,10 +32,13 @@ PROMPT_NEW = [7, 11, 13, 17, 19, 23, 29, 31]
 
 
 def write_deployment(path: Path, model: Path, port: int) -> None:
+    keys = path.parent / "keys"
+    create_keys(keys)
     lines = [
         f'[model]\npath = "{model}"\nkv_cache_gb = 0.05\n',
         f"[server]\nport = {port}\n",
-        f"[deploy]\npeer_timeout_s = {PEER_TIMEOUT_S}\nheartbeat_s = 0.2\nstart_timeout_s = 60\n",
+        f"[deploy]\npeer_timeout_s = {PEER_TIMEOUT_S}\nheartbeat_s = 0.2\nstart_timeout_s = 60\n"
+        f'keys_dir = "{keys}"\n',
     ]
     for role, host in HOSTS.items():
         lines.append(f'[actors.{role}]\naddress = "tcp://{host}:{free_port(host)}"\n')
@@ -142,6 +146,57 @@ def test_a_killed_actor_is_noticed_and_rejoins(split: Split, role: str) -> None:
     assert split.greedy(PROMPT_NEW)[0] == split.baseline["new"]
     stats = split.cache_stats()
     assert stats["consistent"] and stats["running_requests"] == 0 and stats["pages_private"] == 0
+
+
+def _raw_push(address: str, keys: Path | None) -> Any:
+    import zmq
+    import zmq.auth
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    if keys is not None:  # a real key pair: the client's
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(
+            keys / "client.key_secret"
+        )
+        sock.curve_serverkey, _ = zmq.auth.load_certificate(keys / "tokenizer.key")
+    sock.connect(address)
+    return sock
+
+
+def test_a_peer_without_the_key_commands_nothing(split: Split) -> None:
+    import msgspec
+    from actorlm.launch import load_deployment
+    from actorlm.messages.control import Shutdown
+    from actorlm.messages.envelope import Envelope, Kind
+
+    address = load_deployment(split.deploy).addresses["tokenizer"]
+    keys = split.deploy.parent / "keys"
+    enc = msgspec.msgpack.encode
+
+    def shutdown(sender: str) -> list[bytes]:
+        return [enc(Envelope("ctl.shutdown", 1, sender, Kind.SEND)), enc(Shutdown(reason="x"))]
+
+    stranger = _raw_push(address, None)  # no key: the CURVE handshake never completes
+    stranger.send_multipart([b"\xc1garbage", b""])  # would be logged as rejected if it arrived
+    stranger.send_multipart(shutdown("supervisor"))
+    forger = _raw_push(address, keys)  # a client's key, posing as the supervisor
+    forger.send_multipart(shutdown("supervisor"))
+    client = _raw_push(address, keys)  # a client, as itself: not the supervisor either
+    client.send_multipart(shutdown("client-raw"))
+    log = split.logs / "tokenizer.log"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if "its key is client's" in text and "obeyed only from the supervisor" in text:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(log.read_text(errors="replace")[-2000:])
+    for sock in (stranger, forger, client):
+        sock.close(linger=0)
+    time.sleep(0.5)
+    assert "rejected a message" not in log.read_text(errors="replace")  # nothing got in
+    assert split.procs["tokenizer"].poll() is None  # still running
+    assert split.health()[0] == 200
 
 
 def test_serve_deploy_names_a_missing_peer_and_gives_up(tiny_llama: Path, tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ async def run_actor(
 ) -> None:
     """Run one actor until it is told to stop (SIGTERM, or Shutdown from its supervisor)
     or its parent process is gone."""
-    transport = ZmqTransport()
+    transport = ZmqTransport.for_deploy(config.deploy)
     options = RuntimeOptions.from_deploy(config.deploy, supervisor=supervisor, book=book, bind=bind)
     actor = build_actor(spec, config)
     runtime = ActorRuntime(actor, address, transport, options)
@@ -93,11 +93,18 @@ def child_main() -> None:
     from .process import event_loop_runner, prepare_process
 
     prepare_process(child.config, child.spec)
-    event_loop_runner()(
-        run_actor(
-            child.spec, child.config, child.address, child.book, child.supervisor, child.parent
+    try:
+        event_loop_runner()(
+            run_actor(
+                child.spec, child.config, child.address, child.book, child.supervisor, child.parent
+            )
         )
-    )
+    except (ValueError, FileNotFoundError, PermissionError) as exc:
+        # A setting that cannot work (an unknown name, a missing file): one line, no
+        # traceback; the launcher then reports this actor's exit.
+        log.debug("%s failed to start", child.spec, exc_info=True)
+        print(f"actorlm: error: {child.spec}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

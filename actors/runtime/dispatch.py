@@ -52,6 +52,7 @@ from ...messages.control import (
 from ...messages.envelope import Codec, DecodeError, Envelope, Kind
 from .actor import Actor, handles
 from .calls import ActorDied, ActorError, Calls, RemoteError, RequestTimeout, error_from_reply
+from .keys import key_name
 from .peers import Change, ChangeKind, PeerTable
 from .transport import Inbox, Outbox, Transport
 
@@ -149,7 +150,7 @@ class ActorRuntime:
     # -- lifecycle -----------------------------------------------------------
     async def serve(self) -> None:
         """Bind, start the actor, announce READY, and dispatch until stopped."""
-        self._inbox = self.transport.bind(self.options.bind or self.address)
+        self._inbox = self.transport.bind(self.options.bind or self.address, self.role)
         self._inbox.listen(self._on_frames)
         recv = asyncio.create_task(self._slow_loop(), name=f"{self.role}-recv")
         watch: asyncio.Task[Any] | None = None
@@ -301,7 +302,7 @@ class ActorRuntime:
             raise ActorError(f"{self.role}: no address for actor {to!r}", code="unknown_actor")
         box = self._outboxes.get(address)
         if box is None:
-            box = self._outboxes[address] = self.transport.connect(address)
+            box = self._outboxes[address] = self.transport.connect(address, to, self.role)
         return box
 
     async def _emit(
@@ -392,7 +393,7 @@ class ActorRuntime:
     # handed to a new handler task. The rest (interceptors, built-in messages,
     # bad frames, anything before READY) goes to the slow lane, a task that
     # awaits each in turn; while it holds anything, later arrivals queue behind.
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes], identity: str = "") -> None:
         item: Inbound
         try:
             item = self.codec.decode(frames)
@@ -400,6 +401,15 @@ class ActorRuntime:
             item = exc
         else:
             env = item[0]
+            if identity and key_name(env.sender) != identity:
+                log.warning(
+                    "%s: dropped %s claiming to come from %s: its key is %s's",
+                    self.role,
+                    env.tag,
+                    env.sender,
+                    identity,
+                )
+                return
             self._learn(env)
             if self._stale(env, item[1]):
                 return

@@ -119,10 +119,10 @@ class _HarnessTransport(MemoryTransport):
         super().__init__()
         self._harness = harness
 
-    def connect(self, address: str) -> Any:
+    def connect(self, address: str, peer: str = "", role: str = "") -> Any:
         if address.startswith(_SCHEME):
             return _PeerOutbox(self._harness, address[len(_SCHEME) :])
-        return super().connect(address)
+        return super().connect(address, peer, role)
 
 
 Script = Callable[[Any], Any]

@@ -133,7 +133,7 @@ class Launcher:
         fresh = make_addresses([*specs, "supervisor"], transport, self.run_dir)
         self.book = {r: given.get(r, fresh[r]) for r in [*specs, "supervisor"]}
         self.members = {r: _Member(r, spec, self.book[r]) for r, spec in specs.items()}
-        self.transport = ZmqTransport()
+        self.transport = ZmqTransport.for_deploy(deploy)
         self.on_ready: Callable[[str], None] | None = None  # called with each role's READY
         self._clients: list[ActorRuntime] = []
         self._supervisor = ActorRuntime(

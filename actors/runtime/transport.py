@@ -8,7 +8,14 @@ moves encoded frames, so codec and interceptors run as they do on the wire.
 
 An inbox hands each message's frames to the function given to ``listen``,
 straight from the event loop's callback and in arrival order, so a message
-costs no future and no task switch before the actor sees it.
+costs no future and no task switch before the actor sees it, with the identity
+its connection proved ("" where nothing is proved: ipc, inproc, memory, tcp
+without keys).
+
+tcp sockets use CurveZMQ when the transport has keys (``keys``): an inbox is a
+CURVE server admitting only those keys, an outbox authenticates as its own role
+to the peer role's key. Without keys, binding tcp beyond loopback is refused
+unless ``insecure``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from typing import Protocol, cast
 import zmq
 import zmq.asyncio
 
+from ...config import DeployConfig
+from .keys import CurveKeys, InsecureBindError, RoleAuthenticator, is_loopback
+
 __all__ = [
     "free_port",
     "Deliver",
@@ -38,7 +48,7 @@ __all__ = [
 ]
 
 Frames = Sequence[bytes | memoryview]
-Deliver = Callable[[list[bytes]], None]
+Deliver = Callable[[list[bytes], str], None]  # frames, and the identity they came with
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +63,8 @@ _IntOption = Callable[[int], int]  # getsockopt of an int option
 
 class Inbox(Protocol):
     def listen(self, deliver: Deliver) -> None:
-        """From now on call ``deliver(frames)`` for each message (queued ones first),
-        from the running loop; a message is never delivered twice or out of order."""
+        """From now on call ``deliver(frames, identity)`` for each message (queued ones
+        first), from the running loop; never twice or out of order."""
         ...
 
     def close(self) -> None: ...
@@ -66,8 +76,14 @@ class Outbox(Protocol):
 
 
 class Transport(Protocol):
-    def bind(self, address: str) -> Inbox: ...
-    def connect(self, address: str) -> Outbox: ...
+    def bind(self, address: str, role: str = "") -> Inbox:
+        """``role``'s inbox at ``address``."""
+        ...
+
+    def connect(self, address: str, peer: str = "", role: str = "") -> Outbox:
+        """An outbox from ``role`` to ``peer`` at ``address``."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -94,9 +110,10 @@ class _ZmqInbox:
     an enum in Python.
     """
 
-    def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], address: str, curve: bool = False) -> None:
         self._sock = sock
         self._address = address
+        self._curve = curve  # read who each message's connection proved to be
         self._deliver: Deliver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_pending = False
@@ -112,10 +129,10 @@ class _ZmqInbox:
         if self._deliver is None:
             return
         try:
-            parts = self._read()
+            parts, identity = self._read()
         except zmq.Again:  # woken with nothing to read: the socket is empty again
             return
-        self._hand_over(parts)
+        self._hand_over(parts, identity)
         if not self._drain_pending:  # after the callbacks the delivery scheduled
             assert self._loop is not None
             self._drain_pending = True
@@ -126,29 +143,30 @@ class _ZmqInbox:
         if self._deliver is None:
             return
         events = cast(_IntOption, self._sock.getsockopt)
-        batch: list[list[bytes]] = []
+        batch: list[tuple[list[bytes], str]] = []
         try:
             while events(_EVENTS) & _POLLIN:
                 batch.append(self._read())
         except zmq.Again:  # pragma: no cover - EVENTS said a message was there
             pass
-        for parts in batch:  # all read first: a failing delivery leaves nothing unread
-            self._hand_over(parts)
+        for parts, identity in batch:  # all read first: a failing delivery leaves nothing unread
+            self._hand_over(parts, identity)
 
-    def _read(self) -> list[bytes]:
+    def _read(self) -> tuple[list[bytes], str]:
         recv = self._sock.recv
         frame = recv(_NOBLOCK, copy=False)
+        identity = str(frame.get("User-Id") or "") if self._curve else ""
         parts = [frame.bytes]
         while frame.more:
             frame = recv(_NOBLOCK, copy=False)
             parts.append(frame.bytes)
-        return parts
+        return parts, identity
 
-    def _hand_over(self, parts: list[bytes]) -> None:
+    def _hand_over(self, parts: list[bytes], identity: str) -> None:
         if self._deliver is None:  # closed by an earlier delivery
             return
         try:
-            self._deliver(parts)
+            self._deliver(parts, identity)
         except Exception:
             log.exception("%s: delivering a message failed", self._address)
 
@@ -198,13 +216,28 @@ class ZmqTransport:
     """ZMQ PUSH/PULL over inproc, ipc or tcp. ``inproc`` peers must share the
     context, so in-process placements pass one ZmqTransport to every actor."""
 
-    def __init__(self, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context | None = None,
+        *,
+        keys: CurveKeys | None = None,
+        insecure: bool = False,
+    ) -> None:
         self._own_context = context is None
         self.context = context or zmq.asyncio.Context()
         # Plain sockets on the same libzmq context (inproc peers must share it).
         self._sync: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self.context.underlying)
+        self.keys = keys
+        self.insecure = insecure
+        self._auth: RoleAuthenticator | None = None
 
-    def bind(self, address: str) -> Inbox:
+    @classmethod
+    def for_deploy(cls, deploy: DeployConfig) -> ZmqTransport:
+        """A transport with the deployment's keys (and its ``insecure`` choice)."""
+        keys = CurveKeys.load(deploy.keys_dir) if deploy.keys_dir else None
+        return cls(keys=keys, insecure=deploy.insecure)
+
+    def bind(self, address: str, role: str = "") -> Inbox:
         path = ipc_path(address)
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -212,17 +245,39 @@ class ZmqTransport:
                 os.unlink(path)  # a stale file from a crashed run
         sock: zmq.Socket[bytes] = self._sync.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, 0)
+        curve = address.startswith("tcp://") and self.keys is not None
+        if curve:
+            assert self.keys is not None
+            if self._auth is None:
+                self._auth = RoleAuthenticator(self._sync, self.keys)
+            sock.curve_publickey, sock.curve_secretkey = self.keys.pair(role)
+            sock.curve_server = True
+        elif address.startswith("tcp://") and not self.insecure:
+            host = address[len("tcp://") :].rpartition(":")[0]
+            if not is_loopback(host):
+                sock.close(linger=0)
+                raise InsecureBindError(
+                    f"refusing to bind {address} without CurveZMQ keys: anyone who can reach "
+                    "it could command the actors. Create keys with `actorlm keys DIR` and set "
+                    "deploy.keys_dir (--keys-dir), or pass --insecure"
+                )
         sock.bind(address)
-        return _ZmqInbox(sock, address)
+        return _ZmqInbox(sock, address, curve)
 
-    def connect(self, address: str) -> Outbox:
+    def connect(self, address: str, peer: str = "", role: str = "") -> Outbox:
         sock: zmq.Socket[bytes] = self._sync.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer; memory is the bound
         sock.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://") and self.keys is not None:
+            sock.curve_publickey, sock.curve_secretkey = self.keys.pair(role)
+            sock.curve_serverkey = self.keys.public(peer)
         sock.connect(address)
         return _ZmqOutbox(sock)
 
     def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_context:
             self.context.term()
 
@@ -251,7 +306,7 @@ class _MemoryQueue:
         while self.queue and self._deliver is not None:
             frames = self.queue.popleft()
             try:
-                self._deliver(frames)
+                self._deliver(frames, "")
             except Exception:
                 log.exception("%s: delivering a message failed", self._address)
 
@@ -280,13 +335,13 @@ class MemoryTransport:
     def __init__(self) -> None:
         self.inboxes: dict[str, _MemoryQueue] = {}
 
-    def bind(self, address: str) -> Inbox:
+    def bind(self, address: str, role: str = "") -> Inbox:
         if address in self.inboxes:
             raise OSError(f"address in use: {address}")
         inbox = self.inboxes[address] = _MemoryQueue(self, address)
         return inbox
 
-    def connect(self, address: str) -> Outbox:
+    def connect(self, address: str, peer: str = "", role: str = "") -> Outbox:
         return _MemoryOutbox(self, address)
 
     def pending(self) -> int:

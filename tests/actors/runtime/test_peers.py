@@ -46,7 +46,7 @@ class FakePeer:
         self.name, self.address = name, f"memory://{name}"
         self.inbox = transport.bind(self.address)
         self.received: list[tuple[Envelope, object]] = []
-        self.inbox.listen(lambda frames: self.received.append(self.codec.decode(frames)))
+        self.inbox.listen(lambda frames, _: self.received.append(self.codec.decode(frames)))
         self.out = transport.connect(target)
         self.codec = Codec()
         self.incarnation = 1001

@@ -19,7 +19,7 @@ def test_zmq_inbox_delivers_bursts_in_order(tmp_path: Path, burst: int) -> None:
         got: list[list[bytes]] = []
         done = asyncio.Event()
 
-        def deliver(frames: list[bytes]) -> None:
+        def deliver(frames: list[bytes], identity: str) -> None:
             got.append(frames)
             if len(got) == 2 * burst:
                 done.set()

@@ -1,0 +1,86 @@
+"""The ``actorlm`` command on a user's mistakes: one clear line and a non-zero exit,
+never a traceback (issue 17); and ``actorlm keys``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def actorlm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "actorlm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("actorlm: error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["serve", "--eviction-policy", "nope"], "unknown KV eviction policy 'nope'"),
+        (["serve", "--attention-backend", "nope"], "unknown attention backend 'nope'"),
+        (["serve", "--schedule-policy", "nope"], "choose one of fcfs, lpm, priority"),
+        (["serve", "--restart-policy", "sometimes"], "choose one of on-failure, never"),
+        (["serve", "--model", "/no/such/model"], "model not found: /no/such/model"),
+        (["serve", "--hicache-storage-backend", "file"], "needs --hicache-storage-dir"),
+        (["actor", "worker"], "give --deploy FILE"),
+        (["actor", "worker", "--bind", "tcp://0.0.0.0:1"], "refusing to bind tcp://0.0.0.0:1"),
+    ],
+)
+def test_a_bad_setting_is_one_line(args: list[str], needle: str) -> None:
+    assert needle in one_error(actorlm(*args))
+
+
+def test_bad_deployment_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\npath = 1")
+    assert "is not valid TOML" in one_error(actorlm("serve", "--deploy", str(bad)))
+    bad.write_text("[modell]\npath = 'x'\n")
+    assert "unknown section [modell]" in one_error(actorlm("serve", "--deploy", str(bad)))
+    bad.write_text("[model]\npage_size = 'big'\n")
+    assert "[model]" in one_error(actorlm("serve", "--deploy", str(bad)))
+    bad.write_text("[actors.worker]\nbind = 'tcp://127.0.0.1:1'\n")
+    assert "needs an address" in one_error(actorlm("actor", "worker", "--deploy", str(bad)))
+    missing = tmp_path / "missing.toml"
+    assert "cannot read the deployment file" in one_error(
+        actorlm("serve", "--deploy", str(missing))
+    )
+
+
+def test_an_unknown_platform_fails_plugins_and_serve() -> None:
+    env = {"ACTORLM_PLATFORM": "no-such-platform"}
+    listed = actorlm("plugins", env=env)
+    assert "no-such-platform" in one_error(listed)
+    assert "Registries:" in listed.stdout  # the rest of the report is still printed
+    assert "no-such-platform" in one_error(actorlm("serve", env=env))
+
+
+def test_keys_are_created_owner_only(tmp_path: Path) -> None:
+    folder = tmp_path / "keys"
+    proc = actorlm("keys", str(folder), "--roles", "worker,client")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "client.key",
+        "client.key_secret",
+        "worker.key",
+        "worker.key_secret",
+    ]
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert (folder / "worker.key_secret").stat().st_mode & 0o777 == 0o600
+    again = actorlm("keys", str(folder), "--roles", "worker")
+    assert again.returncode == 0 and "0 key pair(s)" in again.stdout  # existing pairs stay
