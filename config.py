@@ -43,6 +43,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_running_requests: int = 64
     max_prefill_tokens: int = 0  # per-step token budget (chunked prefill); 0 = the platform's
     max_queued_requests: int = 1024
+    max_queue_time_s: float = (
+        0.0  # a request not started after this long fails; 0: the request timeout
+    )
     step_timeout_s: float = 300.0
     # Running requests when the worker (or cache manager) is lost: "fail" them with an
     # error, or "recompute" them from their tokens on its successor.
@@ -61,6 +64,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 30000
     api_key: str = ""
     max_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 128  # the most choices one request may ask for (n times its prompts)
+    trust_request_chat_template: bool = False  # let requests bring their own jinja template
+    chat_template_timeout_s: float = 5.0  # a render that takes longer fails its request (400)
+    max_prompt_chars: int = 0  # longer prompts are refused before tokenizing; 0: 64 x context
     drain_timeout_s: float = 5.0
 
 

@@ -14,8 +14,9 @@ from aiohttp import web
 
 from ..messages.generate import GenerateRequest, TextDelta, TokenLogprob
 from ..messages.sampling import SamplingParams
+from .body import read_json
 from .errors import ApiError
-from .params import Fields, checked_sampling, fan_out, native_sampling, read_json
+from .params import Fields, checked_sampling, fan_out, native_sampling
 from .state import STATE, GatewayState
 from .streams import Fanout, SseWriter, delta_error
 
@@ -57,7 +58,8 @@ def parse_generate(body: Any, state: GatewayState) -> NativeJob:
         sampling, logprobs=return_logprob, top_logprobs=top if return_logprob else 0
     )
     sampling = checked_sampling(sampling, state.limits)
-    reqs = fan_out(rid, sampling, [prompt], sampling.n, bare_single=True)
+    limit = state.config.server.max_n
+    reqs = fan_out(rid, sampling, [prompt], sampling.n, limit=limit, bare_single=True)
     return NativeJob(
         rid=rid, stream=bool(f.bool("stream", False)), return_logprob=return_logprob, reqs=reqs
     )
@@ -108,9 +110,8 @@ class NativeOutput:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     job = parse_generate(await read_json(request, state.config.server.max_body_bytes), state)
-    client = state.admit(len(job.reqs))
     outs = [NativeOutput(req.rid) for req in job.reqs]
-    async with Fanout(client, job.reqs, state.metrics) as fan:
+    async with state.fanout(job.reqs) as fan:
         sse: SseWriter | None = None
         async for index, delta in fan:
             if delta.finish_reason == "error":
@@ -215,13 +216,21 @@ async def health_generate(request: web.Request) -> web.Response:
         async with Fanout(client, [req], state.metrics) as fan:
             async for _index, delta in fan:
                 if delta.finish_reason == "error":
-                    raise ApiError(503, f"health check failed: {delta.error}", code="unhealthy")
+                    raise ApiError(
+                        503,
+                        f"health check failed: {delta.error}",
+                        code="unhealthy",
+                        headers={"Retry-After": "2"},
+                    )
 
     try:
         await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
         raise ApiError(
-            503, f"no token within {HEALTH_GENERATE_TIMEOUT_S:g}s", code="unhealthy"
+            503,
+            f"no token within {HEALTH_GENERATE_TIMEOUT_S:g}s",
+            code="unhealthy",
+            headers={"Retry-After": "2"},
         ) from None
     return web.json_response({"status": "ok"})
 

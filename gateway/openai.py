@@ -15,10 +15,10 @@ from typing import Any
 from aiohttp import web
 
 from ..messages.generate import TextDelta, TokenLogprob, Usage
+from .body import read_json
 from .openai_parse import Job, parse_chat, parse_completion
-from .params import read_json
 from .state import STATE, GatewayState
-from .streams import Fanout, SseWriter, delta_error
+from .streams import SseWriter, delta_error
 
 __all__ = ["chat_completions", "completions", "list_models", "routes"]
 
@@ -166,9 +166,8 @@ def chunk(job: Job, choice: Choice, delta: TextDelta, *, role: bool = False) -> 
 
 
 async def run_job(request: web.Request, state: GatewayState, job: Job) -> web.StreamResponse:
-    client = state.admit(len(job.reqs))
     choices = [Choice(i) for i in range(len(job.reqs))]
-    async with Fanout(client, job.reqs, state.metrics) as fan:
+    async with state.fanout(job.reqs) as fan:
         if not job.stream:
             async for index, delta in fan:
                 if delta.finish_reason == "error":

@@ -119,7 +119,8 @@ def parse_completion(body: Any, state: GatewayState) -> Job:
     sampling = openai_sampling(
         f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
     )
-    job.reqs = fan_out(job.id, checked_sampling(sampling, state.limits), prompts, job.n)
+    sampling = checked_sampling(sampling, state.limits)
+    job.reqs = fan_out(job.id, sampling, prompts, job.n, limit=state.config.server.max_n)
     return job
 
 
@@ -151,6 +152,25 @@ def _chat_message(item: Any, index: int) -> ChatMessage:
             400, f"messages[{index}].content is required for role {role!r}", param="messages"
         )
     return ChatMessage(role=role, content=content, name=f.str("name"))
+
+
+def _template_kwargs(f: Fields, state: GatewayState) -> dict[str, Any]:
+    """``chat_template_kwargs``, with a request's own ``chat_template`` (top level or
+    inside them) only where the operator trusts requests with templates: a template
+    is code the tokenizer runs."""
+    kwargs = f.object("chat_template_kwargs")
+    out = dict(kwargs.body) if kwargs is not None else {}
+    template = f.str("chat_template")
+    if template is not None:
+        out["chat_template"] = template
+    if "chat_template" in out and not state.config.server.trust_request_chat_template:
+        raise ApiError(
+            400,
+            "chat templates sent with a request are refused: the model's own template is "
+            "used (the operator can allow them with --trust-request-chat-template)",
+            param="chat_template",
+        )
+    return out
 
 
 def parse_chat(body: Any, state: GatewayState) -> Job:
@@ -185,11 +205,11 @@ def parse_chat(body: Any, state: GatewayState) -> Job:
     sampling = openai_sampling(
         f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
     )
-    kwargs = f.object("chat_template_kwargs")
     prompt: dict[str, Any] = {
         "messages": messages,
         "add_generation_prompt": bool(f.bool("add_generation_prompt", True)),
-        "chat_template_kwargs": dict(kwargs.body) if kwargs is not None else {},
+        "chat_template_kwargs": _template_kwargs(f, state),
     }
-    job.reqs = fan_out(job.id, checked_sampling(sampling, state.limits), [prompt], job.n)
+    sampling = checked_sampling(sampling, state.limits)
+    job.reqs = fan_out(job.id, sampling, [prompt], job.n, limit=state.config.server.max_n)
     return job

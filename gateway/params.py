@@ -8,13 +8,11 @@ checks); logit processors check their parameters where they are built, in the wo
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from ..messages.generate import GenerateRequest
 from ..messages.sampling import LogitProcessorSpec, SamplingParams, check_sampling
@@ -27,7 +25,6 @@ __all__ = [
     "fan_out",
     "native_sampling",
     "openai_sampling",
-    "read_json",
 ]
 
 _INT64 = 2**63  # everything crosses msgpack; a bigger int could not be encoded
@@ -318,11 +315,20 @@ def fan_out(
     prompts: list[dict[str, Any]],
     n: int,
     *,
+    limit: int,
     bare_single: bool = False,
 ) -> list[GenerateRequest]:
     """One GenerateRequest per prompt and choice, ``{rid}-{index}`` in order (just ``rid``
-    for a lone request when ``bare_single``). Choice ``i`` draws with ``seed + i``, so
-    seeded choices differ from one another and each is reproducible."""
+    for a lone request when ``bare_single``); 400 past ``limit`` of them, before any is
+    made. Choice ``i`` draws with ``seed + i``, so seeded choices differ from one
+    another and each is reproducible."""
+    if n * len(prompts) > limit:
+        raise ApiError(
+            400,
+            f"this request asks for {n * len(prompts)} completions (n={n} for "
+            f"{len(prompts)} prompt(s)); the server allows at most {limit} (--max-n)",
+            param="n",
+        )
     reqs = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
@@ -333,23 +339,3 @@ def fan_out(
                 GenerateRequest(rid=rid if one else f"{rid}-{p * n + i}", sampling=params, **prompt)
             )
     return reqs
-
-
-async def read_json(request: web.Request, limit: int) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes, 400 for anything that is not JSON."""
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(
-            413, f"request body of {request.content_length} bytes is over the limit of {limit}"
-        )
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, f"request body is over the limit of {exc.max_size} bytes") from None
-    if not raw:
-        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(
-            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
-        ) from None

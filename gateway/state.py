@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,11 @@ from aiohttp import web
 
 from ..actors.client import PIPELINE_ROLES, EngineClient
 from ..config import EngineConfig
+from ..messages.generate import GenerateRequest
 from .errors import ApiError
 from .metrics import GatewayMetrics
 from .params import ModelLimits
+from .streams import Fanout
 
 __all__ = ["STATE", "GatewayState", "served_model_name"]
 
@@ -39,6 +42,7 @@ class GatewayState:
     draining: bool = False
     startup_error: str = ""
     model_facts: dict[str, Any] = field(default_factory=dict)  # the worker's READY info
+    reserved: int = 0  # engine requests admitted and not finished
     metrics: GatewayMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,18 +95,26 @@ class GatewayState:
             return []
         return sorted(set(PIPELINE_ROLES) & self.client.actor.runtime.down)
 
-    def admit(self, count: int) -> EngineClient:
-        """The client, if ``count`` more requests fit under ``max_queued_requests`` (else 429)."""
+    def fanout(self, reqs: Sequence[GenerateRequest]) -> Fanout:
+        """Run ``reqs`` if they fit under ``max_queued_requests`` (else 429). Their places
+        are taken now, before anything awaits, so concurrent arrivals can never overshoot
+        the limit; they are given back when the fan-out ends."""
         client = self.engine()
         limit = self.config.scheduler.max_queued_requests
-        if limit > 0 and client.in_flight + count > limit:
+        count = len(reqs)
+        if limit > 0 and self.reserved + count > limit:
             raise ApiError(
                 429,
-                f"too many requests in flight ({client.in_flight} of at most {limit}); retry later",
+                f"too many requests in flight ({self.reserved} of at most {limit}); retry later",
                 code="too_many_requests",
                 headers={"Retry-After": "1"},
             )
-        return client
+        self.reserved += count
+
+        def release() -> None:
+            self.reserved -= count
+
+        return Fanout(client, reqs, self.metrics, on_exit=release)
 
 
 STATE = web.AppKey("actorlm_gateway_state", GatewayState)

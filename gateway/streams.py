@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -63,11 +63,16 @@ class Fanout:
     """
 
     def __init__(
-        self, client: EngineClient, reqs: Sequence[GenerateRequest], metrics: GatewayMetrics
+        self,
+        client: EngineClient,
+        reqs: Sequence[GenerateRequest],
+        metrics: GatewayMetrics,
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
         self.reqs = list(reqs)
         self.metrics = metrics
+        self._on_exit = on_exit
         self.queue: asyncio.Queue[tuple[int, TextDelta]] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -81,8 +86,12 @@ class Fanout:
         for task in self.tasks:
             task.cancel()
         # Shielded: the aborts must reach the pipeline even when our own task is being cancelled.
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(asyncio.gather(*self.tasks, return_exceptions=True))
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(asyncio.gather(*self.tasks, return_exceptions=True))
+        finally:
+            if self._on_exit is not None:
+                self._on_exit()
 
     async def _pump(self, index: int, req: GenerateRequest) -> None:
         trace = self.metrics.trace()

@@ -62,6 +62,7 @@ class CacheStep(Message, frozen=True, kw_only=True):
     # the cache manager was lost, or the scheduler restarted) every mapping is dropped
     # before anything else in the step.
     pool_epoch: int = 0
+    forget_keys: list[str] = []  # HiCache keys storage lost: no longer known to be stored
 
 
 class Admitted(msgspec.Struct, frozen=True, array_like=True):

@@ -62,7 +62,6 @@ class TokenizedRequest(Message, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []  # the model's, from its tokenizer: stops unless ignore_eos
     priority: int = 0
     lora_path: str | None = None
-    arrival_time: float = 0.0
 
 
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -7,6 +7,7 @@ from typing import ClassVar
 import msgspec
 
 from .base import Message
+from .errors import ErrorCode
 from .sampling import SamplingParams
 
 __all__ = [
@@ -87,6 +88,7 @@ class SeqError(msgspec.Struct, frozen=True, array_like=True):
 
     rid: str
     message: str
+    code: ErrorCode = ErrorCode.INVALID_REQUEST
 
 
 class StepResult(Message, frozen=True, kw_only=True):
@@ -94,4 +96,5 @@ class StepResult(Message, frozen=True, kw_only=True):
     step_id: int
     results: list[SeqResult]  # one per sequence with sample=True, in batch order
     errors: list[SeqError] = []  # left out of the step: no result, no KV written
+    lost_keys: list[str] = []  # HiCache pages storage could not give back (now forgotten)
     forward_ms: float = 0.0

@@ -74,6 +74,7 @@ class CacheManagerActor(Actor):
             "storage_hit_pages": self.storage_hits,
             "prefix_waits": self.prefix_waits,
             "pool_resets": self.resets,
+            "storage_corrupt": getattr(self.storage, "corrupt", 0),
             "consistent": self._consistent(),
         }
 
@@ -106,6 +107,7 @@ class CacheManagerActor(Actor):
             self.kv = self._new_cache()
             self.pool_epoch = msg.pool_epoch
         kv = self.kv
+        self._stored.difference_update(msg.forget_keys)
         stores: list[PageIO] = []
         for op in msg.finishes:
             if op.rid in kv:

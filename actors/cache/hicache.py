@@ -17,6 +17,7 @@ import os
 import re
 import struct
 import tempfile
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ __all__ = ["HiCacheFile", "HiCacheStorage", "page_keys", "storage_model_id"]
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _TMP_SUFFIX = ".tmp"
+_MAGIC = b"ALKV"
+_HEADER = struct.Struct("<4sIQ")  # magic, CRC-32 of the blob, its length
 
 
 def page_keys(model_id: str, token_ids: Sequence[int], page_size: int) -> list[str]:
@@ -106,12 +109,17 @@ class HiCacheFile(HiCacheStorage):
     Writes go to a temporary file in the same directory and are renamed into
     place, which is atomic on POSIX: concurrent readers and writers in other
     processes never see a torn blob, and a crash leaves at most a stray temp file.
+    Each file starts with a header holding the blob's length and CRC-32, so an entry
+    truncated or damaged anyway (power loss without fsync, a full disk, another
+    writer) is found on reading: it is deleted and counted (``corrupt``), and the
+    read is a miss, never KV.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync  # durability across power loss costs a disk flush per page
+        self.corrupt = 0  # damaged entries found (and dropped) by get
 
     def _path(self, key: str) -> Path:
         # Keys become file names: refuse anything that could escape root.
@@ -120,10 +128,19 @@ class HiCacheFile(HiCacheStorage):
         return self.root / key[:2] / key
 
     def get(self, key: str) -> bytes | None:
+        path = self._path(key)
         try:
-            return self._path(key).read_bytes()
+            data = path.read_bytes()
         except FileNotFoundError:
             return None
+        if len(data) >= _HEADER.size:
+            magic, crc, size = _HEADER.unpack_from(data)
+            body = data[_HEADER.size :]
+            if magic == _MAGIC and size == len(body) and crc == zlib.crc32(body):
+                return body
+        self.corrupt += 1
+        path.unlink(missing_ok=True)
+        return None
 
     def set(self, key: str, value: bytes) -> bool:
         path = self._path(key)
@@ -131,6 +148,7 @@ class HiCacheFile(HiCacheStorage):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=_TMP_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, zlib.crc32(value), len(value)))
                 f.write(value)
                 if self.fsync:
                     f.flush()
@@ -142,7 +160,22 @@ class HiCacheFile(HiCacheStorage):
         return True
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        """Present and whole as far as its size tells (a truncated entry is dropped here;
+        damage inside it is found when it is read)."""
+        path = self._path(key)
+        try:
+            with path.open("rb") as f:
+                header = f.read(_HEADER.size)
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            return False
+        if len(header) == _HEADER.size:
+            magic, _crc, length = _HEADER.unpack(header)
+            if magic == _MAGIC and size == _HEADER.size + length:
+                return True
+        self.corrupt += 1
+        path.unlink(missing_ok=True)
+        return False
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -16,7 +16,9 @@ is ever served from KV that no longer exists, whoever noticed the death first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -63,6 +65,8 @@ class SchedulerActor(Actor):
         # Bumped whenever the pool's contents are lost: our incarnation makes a restarted
         # scheduler's epochs differ from its predecessor's too.
         self.pool_epoch = (self.runtime.incarnation & (2**40 - 1)) << 20
+        cfg = self.config
+        self.max_queue_time = cfg.scheduler.max_queue_time_s or cfg.deploy.request_timeout_s
         self.spawn(self._loop(), name="scheduler-loop")
 
     def stats(self) -> dict[str, Any]:
@@ -75,7 +79,7 @@ class SchedulerActor(Actor):
     # -- inbox ----------------------------------------------------------------
     @handles(TokenizedRequest)
     async def on_request(self, msg: TokenizedRequest, env: Envelope) -> None:
-        refused = self.planner.add(msg, env.sender)
+        refused = self.planner.add(msg, env.sender, time.monotonic())
         if refused is None and {"worker", "cache_manager"} & self.runtime.down:
             self.planner.abort(msg.rid, notify=False)
             refused = Refusal(
@@ -156,13 +160,23 @@ class SchedulerActor(Actor):
             # Cleared before looking, so a request or abort that lands while we step
             # (its handler sets the event) is never slept through.
             self._wake.clear()
+            if planner.waiting:
+                planner.expire_waiting(time.monotonic(), self.max_queue_time)
             await self._emit(planner.take_deltas())
             if not planner.has_work() or self._pool_down():
-                await self._wake.wait()
+                await self._idle()
                 continue
             if not await self._step():
                 # Nothing could run (no pages, everything blocked): wait for a change.
-                await self._wake.wait()
+                await self._idle()
+
+    async def _idle(self) -> None:
+        """Wait for a change; with requests queued, not past the next queue deadline check."""
+        if not self.planner.waiting:
+            await self._wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), min(1.0, self.max_queue_time))
 
     async def _step(self) -> bool:
         changed = await self._cache_step()

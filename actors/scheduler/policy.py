@@ -46,6 +46,7 @@ class Req:
     reply_to: str
     seq: int  # arrival order
     stop_ids: frozenset[int] = frozenset()  # stop token ids, the model's eos included
+    queued_at: float = 0.0  # when it arrived (the caller's clock)
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # leading tokens of ids whose KV is in pages
     cached_tokens: int = 0
@@ -95,6 +96,7 @@ class BatchPlanner:
         self._deltas: list[TokenDelta] = []
         self._store_pages: list[PageIO] = []
         self._load_pages: list[PageIO] = []
+        self._forget_keys: list[str] = []
         # After a retraction, admit nothing until a request ends: admitting into the
         # pages a retraction just freed would only cause the next retraction.
         self._hold_admission = False
@@ -110,7 +112,7 @@ class BatchPlanner:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
-    def add(self, msg: TokenizedRequest, reply_to: str) -> Refusal | None:
+    def add(self, msg: TokenizedRequest, reply_to: str, now: float = 0.0) -> Refusal | None:
         """Queue a request; returns why not if it cannot be queued."""
         if msg.rid in self.waiting or msg.rid in self.running:
             return Refusal(f"request id {msg.rid!r} is already in use", ErrorCode.INVALID_REQUEST)
@@ -135,6 +137,7 @@ class BatchPlanner:
             reply_to,
             next(self._seq),
             stop_ids=stops,
+            queued_at=now,
         )
         if msg.sampling.max_new_tokens == 0:
             self._deltas.append(self._delta(req, [], "length"))
@@ -165,6 +168,23 @@ class BatchPlanner:
         self.running.clear()
         if waiting:
             self.waiting.clear()
+
+    def expire_waiting(self, now: float, max_wait: float) -> int:
+        """End, as overloaded, the requests that waited more than ``max_wait`` to start
+        (a retracted one has started: it stays); how many."""
+        late = [
+            r for r in self.waiting.values() if r.num_output == 0 and now - r.queued_at > max_wait
+        ]
+        for req in late:
+            del self.waiting[req.rid]
+            message = (
+                f"the request waited {now - req.queued_at:.0f}s in the queue without starting "
+                f"(--max-queue-time-s {max_wait:g}); the server is overloaded"
+            )
+            self._deltas.append(
+                self._delta(req, [], "error", error=message, code=ErrorCode.OVERLOADED)
+            )
+        return len(late)
 
     def pool_lost(self) -> None:
         """The KV pool's contents are gone (its worker or cache manager was lost): forget
@@ -231,7 +251,8 @@ class BatchPlanner:
                 budget -= len(req.ids) - req.computed
                 extra = self.pages_for(len(req.ids) + 1) - self.pages_for(len(req.ids))
                 admits.append(AdmitOp(req.rid, list(req.ids), extra, req.request.priority))
-        if not (admits or self._extends or self._finishes or self._releases or self._commits):
+        pending = self._finishes or self._releases or self._commits or self._forget_keys
+        if not (admits or self._extends or pending):
             return None
         step = CacheStep(
             finishes=self._finishes,
@@ -240,8 +261,10 @@ class BatchPlanner:
             extends=[ExtendOp(rid, n) for rid, n in self._extends.items()],
             admits=admits,
             longest_prefix_first=self.cfg.policy == "lpm",
+            forget_keys=self._forget_keys,
         )
         self._finishes, self._releases, self._commits = [], [], []
+        self._forget_keys = []
         return step
 
     def apply_cache(self, result: CacheStepResult) -> None:
@@ -332,7 +355,8 @@ class BatchPlanner:
     def on_result(self, batch: ForwardBatch, result: StepResult) -> list[TokenDelta]:
         self.stats["steps"] += 1
         for err in result.errors:
-            self._fail(err.rid, err.message, ErrorCode.INVALID_REQUEST)
+            self._fail(err.rid, err.message, err.code)
+        self._forget_keys += result.lost_keys
         by_rid = {r.rid: r for r in result.results}
         for seq in batch.seqs:
             req = self.running.get(seq.rid)

@@ -8,8 +8,8 @@ strings. Long inputs are tokenized in a thread so the loop keeps streaming.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 # Inputs longer than this are tokenized off the event loop (the thread hop costs ~0.1 ms).
 _INLINE_CHARS = 4096
+# A token is rarely more than a few characters: a prompt this many times the context
+# cannot fit, and is refused before the tokenizer spends memory on it.
+_CHARS_PER_TOKEN_BOUND = 64
+# Chat templates render in threads, at most this many at once (a slow one holds a thread).
+_RENDERS = 2
 
 
 class RequestError(Exception):
@@ -68,6 +73,11 @@ class TokenizerActor(Actor):
         self.tokenizing: set[str] = set()
         self.sent: dict[int, str] = {}  # TokenizedRequest message id → rid
         self.requests = 0
+        server = self.config.server
+        self.max_prompt_chars = server.max_prompt_chars or _CHARS_PER_TOKEN_BOUND * (
+            self.max_model_len or 8192
+        )
+        self._renders = asyncio.Semaphore(_RENDERS)
 
     def ready_info(self) -> dict[str, Any]:
         return {"vocab_size": self.tok.vocab_size, "chat_template": bool(self.tok.chat_template)}
@@ -111,7 +121,6 @@ class TokenizerActor(Actor):
             eos_token_ids=list(self.tok.eos_token_ids),
             priority=req.priority,
             lora_path=req.lora_path,
-            arrival_time=time.time(),
         )
         try:
             msg_id = await self.send("scheduler", out)
@@ -137,16 +146,45 @@ class TokenizerActor(Actor):
         if req.messages is not None:
             if not req.messages:
                 raise RequestError("messages must not be empty")
-            size = sum(len(str(m.content or "")) for m in req.messages)
-            args = (list(req.messages), req.add_generation_prompt)
-            kwargs = dict(req.chat_template_kwargs)
-            if size <= _INLINE_CHARS:
-                return self.tok.apply_chat_template(*args, **kwargs)
-            return await self.run_blocking(lambda: self.tok.apply_chat_template(*args, **kwargs))
+            self._bound(sum(len(str(m.content or "")) for m in req.messages))
+            return await self._render(req)
         text = req.text or ""
+        self._bound(len(text))
         if len(text) <= _INLINE_CHARS:
             return self.tok.encode(text)
         return await self.run_blocking(self.tok.encode, text)
+
+    def _bound(self, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise RequestError(
+                f"the prompt has {chars} characters; this server takes at most "
+                f"{self.max_prompt_chars} (--max-prompt-chars)",
+                ErrorCode.TOO_LARGE,
+            )
+
+    async def _render(self, req: GenerateRequest) -> list[int]:
+        """The chat's token ids, its template rendered off the loop within a time limit,
+        so no template (the model's, given odd arguments, or a trusted request's own)
+        stalls this actor. A render past the limit keeps its thread until it ends; the
+        request fails at once, and at most ``_RENDERS`` renders run at a time."""
+        kwargs = dict(req.chat_template_kwargs)
+        if "chat_template" in kwargs and not self.config.server.trust_request_chat_template:
+            raise RequestError(
+                "chat templates sent with a request are refused (the operator can allow them "
+                "with --trust-request-chat-template)"
+            )
+        limit = self.config.server.chat_template_timeout_s
+        messages, prompt = list(req.messages or []), req.add_generation_prompt
+
+        def render() -> list[int]:
+            return self.tok.apply_chat_template(messages, prompt, **kwargs)
+
+        try:
+            async with asyncio.timeout(limit):
+                async with self._renders:
+                    return await self.run_blocking(render)
+        except TimeoutError:
+            raise RequestError(f"the chat template took longer than {limit:g}s to render") from None
 
     def _check(self, req: GenerateRequest, ids: list[int]) -> SamplingParams:
         """The prompt's checks (its sampling was checked where it entered the engine)."""

@@ -15,7 +15,8 @@ import numpy as np
 
 from ...messages.control import GetInfo, Info
 from ...messages.envelope import Envelope
-from ...messages.step import ForwardBatch, StepResult
+from ...messages.errors import ErrorCode
+from ...messages.step import ForwardBatch, PageIO, SeqError, StepResult
 from ..runtime import RESTARTED, Actor, handles
 
 __all__ = ["WorkerActor"]
@@ -44,31 +45,54 @@ class WorkerActor(Actor):
         return {**msgspec.to_builtins(self.runner.info), "platform": current_platform().describe()}
 
     def stats(self) -> dict[str, Any]:
-        return {"steps": self.steps, "forward_ms_total": self.forward_ms}
+        corrupt = getattr(self.storage, "corrupt", 0)
+        return {
+            "steps": self.steps,
+            "forward_ms_total": self.forward_ms,
+            "storage_corrupt": corrupt,
+        }
 
     def _step(self, batch: ForwardBatch) -> StepResult:
-        if batch.store_pages or batch.load_pages:
-            self._move_pages(batch)
-        return self.runner.forward(batch)
+        if not (batch.store_pages or batch.load_pages):
+            return self.runner.forward(batch)
+        lost = self._move_pages(batch)
+        if not lost:
+            return self.runner.forward(batch)
+        # A page storage could not give back: the sequences that needed it end (their
+        # client may retry, and the prefix is then computed), the rest of the step runs.
+        lost_ids = {io.page_id for io in lost}
+        hit = [s for s in batch.seqs if lost_ids.intersection(s.page_ids)]
+        keep = [s for s in batch.seqs if s not in hit]
+        result = self.runner.forward(msgspec.structs.replace(batch, seqs=keep))
+        message = "a cached KV page could not be read back from storage; retry the request"
+        errors = [SeqError(s.rid, message, ErrorCode.UNAVAILABLE) for s in hit]
+        return msgspec.structs.replace(
+            result, errors=[*result.errors, *errors], lost_keys=[io.key for io in lost]
+        )
 
-    def _move_pages(self, batch: ForwardBatch) -> None:
-        """HiCache: save pages to storage, then load pages from it (see CacheManagerActor)."""
+    def _move_pages(self, batch: ForwardBatch) -> list[PageIO]:
+        """HiCache: save pages to storage, then load pages from it (see CacheManagerActor).
+        Returns the loads storage could not serve whole (missing, or damaged and dropped)."""
         if self.storage is None:
             raise RuntimeError("page moves asked of a worker without HiCache storage")
         pool = self.runner.pool
         for io in batch.store_pages:
             self.storage.set(io.key, pool.read_pages_numpy([io.page_id]).tobytes())
         if not batch.load_pages:
-            return
+            return []
         shape = pool.read_pages_numpy([0]).shape
         dtype = pool.read_pages_numpy([0]).dtype
+        lost = []
         for io in batch.load_pages:
             blob = self.storage.get(io.key)
             if blob is None or len(blob) != int(np.prod(shape)) * dtype.itemsize:
-                raise RuntimeError(f"HiCache page {io.key[:12]}… is missing or damaged")
+                log.warning("HiCache page %s… is missing or damaged: a miss", io.key[:12])
+                lost.append(io)
+                continue
             pool.write_pages_numpy(
                 [io.page_id], np.frombuffer(blob, dtype=dtype).reshape(shape).copy()
             )
+        return lost
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role == "scheduler" and reason == RESTARTED:

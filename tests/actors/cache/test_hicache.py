@@ -95,18 +95,39 @@ def test_failed_write_leaves_no_partial_blob(
 def test_writes_go_through_a_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = HiCacheFile(tmp_path, fsync=True)
     key = page_keys("m", [1, 2], 2)[0]
-    seen: list[tuple[str, bool]] = []
+    seen: list[tuple[bytes, bool]] = []
     real_replace = os.replace
 
     def spy(src: str, dst: str) -> None:
         # At rename time the final name must not exist yet and the temp file is complete.
-        seen.append((Path(src).read_bytes().decode(), Path(dst).exists()))
+        seen.append((Path(src).read_bytes(), Path(dst).exists()))
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", spy)
     store.set(key, b"blob")
-    assert seen == [("blob", False)]
-    assert store.exists(key)
+    assert [(data.endswith(b"blob"), exists) for data, exists in seen] == [(True, False)]
+    assert store.exists(key) and store.get(key) == b"blob"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "foreign"])
+def test_a_damaged_entry_is_dropped_and_counted(tmp_path: Path, damage: str) -> None:
+    store = HiCacheFile(tmp_path)
+    key = page_keys("m", [1, 2], 2)[0]
+    store.set(key, b"x" * 1000)
+    path = next(p for p in tmp_path.rglob("*") if p.is_file())
+    data = path.read_bytes()
+    path.write_bytes(
+        {
+            "truncate": data[:500],
+            "flip": data[:-1] + b"y",
+            "empty": b"",
+            "foreign": b"not ours at all, but long enough for a header",
+        }[damage]
+    )
+    found = store.exists(key) and store.get(key) is not None
+    assert not found and store.corrupt == 1
+    assert not path.exists()  # dropped, so the next writer replaces it
+    assert store.get(key) is None and store.corrupt == 1  # a plain miss from now on
 
 
 def test_keys_cannot_escape_the_directory(tmp_path: Path) -> None:
