@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from . import native, openai
+from . import native, openai, openapi
 from .errors import ApiError, error_response
 from .metrics import CONTENT_TYPE_LATEST
 from .state import STATE, GatewayState
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Probes and scrapers carry no key (as with vLLM and SGLang).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 def _route_label(request: web.Request) -> str:
@@ -118,5 +118,6 @@ def build_app(state: GatewayState) -> web.Application:
     app[STATE] = state
     app.add_routes(openai.routes())
     app.add_routes(native.routes())
+    app.add_routes(openapi.routes())
     app.add_routes([web.get("/metrics", metrics)])
     return app
