@@ -119,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
     prepare_process(config, "gateway")
     try:
         config = resolve_config(config)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # a bad option: one line, no traceback
         print(f"actorlm: {exc}", file=sys.stderr)
         return 2
     serve(config, deploy=args.deploy)
@@ -149,7 +149,11 @@ def _actor(args: argparse.Namespace) -> int:
         book = dict(p.split("=", 1) for p in args.peer)
         bind, address = args.bind, args.address or args.bind
     prepare_process(config, args.role)
-    config = resolve_config(config)
+    try:
+        config = resolve_config(config)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"actorlm: {exc}", file=sys.stderr)
+        return 2
     with contextlib.suppress(KeyboardInterrupt):
         event_loop_runner()(run_actor(args.role, config, address, book, bind=bind))
     return 0
