@@ -36,6 +36,7 @@ __all__ = [
     "CudaPlatform",
     "Platform",
     "estimate_weight_bytes",
+    "resolve_dtype",
 ]
 
 # Built-in attention backends whose kernels are GPU code: asking for one on another
@@ -44,6 +45,7 @@ CUDA_ONLY_ATTENTION_BACKENDS = ("flashinfer", "triton")
 DEFAULT_KV_CACHE_GB = 1.0  # the KV budget where neither the user nor the device decides
 DEFAULT_MEM_FRACTION_STATIC = 0.88  # CUDA: weights + KV pool; the rest for activations
 MAX_GRAPH_BATCH = 256
+CUDA_MAX_PREFILL_TOKENS = 8192
 
 # Present whenever torch.cuda could see a device: the NVIDIA driver, or ROCm's
 # kernel driver (ROCm builds of torch answer through torch.cuda too).
@@ -295,6 +297,11 @@ class CudaPlatform(Platform):
     def supports_graphs(self) -> bool:
         return True
 
+    def default_max_prefill_tokens(self) -> int:
+        # A data-center GPU runs 8k tokens of an 8B model's prefill in ~50 ms: a smaller
+        # chunk leaves its matmuls short of full speed, a larger one stalls decodes longer.
+        return CUDA_MAX_PREFILL_TOKENS
+
     def adjust_defaults(self, config: EngineConfig) -> EngineConfig:
         backend_open = not config.model.attention_backend
         config = super().adjust_defaults(config)
@@ -351,6 +358,18 @@ class CudaPlatform(Platform):
         with contextlib.suppress(Exception):
             info["capability"] = ".".join(map(str, self.device_capability()))
         return info
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``--dtype`` made concrete for a config that skipped ``resolve_config``: ``auto``
+    is the active platform's choice on its own device, float32 on any other."""
+    if dtype not in ("", "auto"):
+        return dtype
+    from ..extensions.plugins import current_platform
+
+    platform = current_platform()
+    kind = (device or "cpu").partition(":")[0]
+    return platform.default_dtype() if kind == platform.device_type else "float32"
 
 
 def _imports(module: str) -> bool:

@@ -22,6 +22,7 @@ from .cuda_step import check_pool_fits, upload_meta
 from .forward_meta import ForwardMeta, SeqSpec
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
+from .platforms import resolve_dtype
 from .quantization import quantize_model
 
 __all__ = ["ModelRunner"]
@@ -35,10 +36,8 @@ class ModelRunner:
         torch.manual_seed(cfg.seed)
         platform = current_platform()
         self.device = torch.device(cfg.device or "cpu")
-        dtype = cfg.dtype
-        if dtype in ("", "auto"):  # a config that skipped resolve_config
-            dtype = platform.default_dtype() if self.device.type == platform.device_type else ""
-        cfg = msgspec.structs.replace(cfg, device=str(self.device), dtype=dtype or "float32")
+        dtype = resolve_dtype(cfg.dtype, str(self.device))  # "auto": the platform's
+        cfg = msgspec.structs.replace(cfg, device=str(self.device), dtype=dtype)
         self.cfg = cfg
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
         platform.set_device(self.device.index or 0)
