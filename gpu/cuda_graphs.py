@@ -110,10 +110,10 @@ class CudaGraphRunner:
         host = ForwardMeta.build(seqs, self.page_size)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy is done reading
-        self._staging[0, :bs] = host.input_ids
-        self._staging[1, :bs] = host.positions
-        self._staging[2, :bs] = host.out_cache_loc
-        self._inputs[:, :bs].copy_(self._staging[:, :bs], non_blocking=True)
+        for row, values in enumerate((host.input_ids, host.positions, host.out_cache_loc)):
+            self._staging[row, :bs] = values
+            # row by row: each slice is contiguous, so each copy runs straight from pinned memory
+            self._inputs[row, :bs].copy_(self._staging[row, :bs], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         meta = ForwardMeta(
