@@ -138,8 +138,7 @@ def flashinfer_plan(
         raise ValueError("rows are not packed in sequence order")
     shape = (num_heads, num_kv_heads, head_dim, batch.page_size)
     kwargs: dict[str, Any] = {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": scale}
+    pages = (kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len)
     if kv.size and bool((kv.q_len == 1).all()):
-        args = (kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, *shape)
-        return FlashInferPlan("decode", kv, args, kwargs)
-    args = (kv.qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, *shape)
-    return FlashInferPlan("prefill", kv, args, {**kwargs, "causal": True})
+        return FlashInferPlan("decode", kv, (*pages, *shape), kwargs)
+    return FlashInferPlan("prefill", kv, (kv.qo_indptr, *pages, *shape), {**kwargs, "causal": True})

@@ -146,10 +146,11 @@ class TritonBackend(AttentionBackend):
         decode = extend = None
         if dec is not None:
             splits = self._splits(dec.size, int(dec.kv_lens.max()))
-            decode = _Decode(*t[:4], *self._partials(dec.size, splits))
+            part_out, part_lse = self._partials(dec.size, splits)
+            decode = _Decode(t[0], t[1], t[2], t[3], part_out, part_lse)
             t = t[4:]
         if ext is not None:
-            extend = _Extend(*t)
+            extend = _Extend(t[0], t[1], t[2], t[3], t[4], t[5], t[6])
         meta.attn = _Plan(decode, extend)
 
     def forward(
