@@ -127,9 +127,10 @@ def test_flashinfer_plan_reads_back_as_the_torch_backends_attention(
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_the_builder_imports_neither_torch_nor_flashinfer() -> None:
+def test_the_builders_import_neither_torch_nor_flashinfer() -> None:
+    # the page metadata and the LoRA batch contract are pure numpy
     code = (
-        "import sys, actorlm.gpu.attention.paged_meta; "
+        "import sys, actorlm.gpu.attention.paged_meta, actorlm.gpu.lora.batch; "
         "print(sorted(m for m in ('torch', 'flashinfer', 'triton') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
