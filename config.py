@@ -24,18 +24,25 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     path: str = ""  # HF folder or .gguf file; "" = the embedded default model
     load_format: str = "auto"  # auto | safetensors | layered | gguf | a plugin's name
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto = the platform's: bfloat16 on CUDA, float32 on the CPU
     device: str = ""  # "" = the active platform's device
     attention_backend: str = ""  # "" = the platform's default
     quantization: str = ""  # none | fp16 | a plugin's; "" = the platform's default
     page_size: int = 16
-    kv_cache_gb: float = 1.0  # memory budget for the paged KV pool
+    # memory budget for the paged KV pool; 0 = the platform's: 1 GiB on the CPU, on CUDA
+    # what --mem-fraction-static leaves of the device's free memory after the weights
+    kv_cache_gb: float = 0.0
+    mem_fraction_static: float = 0.0  # CUDA: share of device memory for weights + KV; 0 = 0.88
     num_pages: int = 0  # 0 = derive from kv_cache_gb
     max_model_len: int = 0  # 0 = from the model's config
     vocab_size: int = 0  # 0 = from the model's config (resolve_config fills it)
     num_threads: int = 0  # torch threads in the worker; 0 = all cores
     served_model_name: str = ""
     seed: int = 0
+    disable_cuda_graph: bool = False  # CUDA: run decode steps eagerly instead of replaying graphs
+    cuda_graph_max_bs: int = (
+        0  # CUDA: the largest decode batch captured; 0 = max-running-requests, at most 256
+    )
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -143,9 +143,15 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     from .gpu.default_model import default_model_path
     from .gpu.model_info import kv_pages_for_budget, load_model_info
 
-    # The platform fills what the user left open (device, attention backend, page size).
-    config = current_platform().adjust_defaults(config)
+    # The platform fills what the user left open (device, dtype, attention backend, page
+    # size), and refuses what it cannot run before any actor starts.
+    platform = current_platform()
+    config = platform.adjust_defaults(config)
     validate_config(config)
+    try:
+        platform.check_config(config)
+    except ValueError as exc:  # what this machine cannot run: the user's to change
+        raise ConfigError(str(exc)) from None
     m = config.model
     path = m.path or str(default_model_path())
     if not Path(path).exists():
@@ -155,7 +161,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if info.sliding_window:
         max_len = min(max_len, info.sliding_window)
     num_pages = m.num_pages or kv_pages_for_budget(
-        info, m.kv_cache_gb * 2**30, m.page_size, m.dtype
+        info, platform.kv_cache_bytes(m, info), m.page_size, m.dtype
     )
     name = m.served_model_name or Path(path).name.removesuffix(".gguf")
     model = msgspec.structs.replace(

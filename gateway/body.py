@@ -26,7 +26,9 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     """The (decompressed) body; 413 past ``limit`` bytes, 400 if it cannot be decoded."""
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
-            413, f"request body of {request.content_length} bytes is over the limit of {limit}"
+            413,
+            f"request body of {request.content_length} bytes is over the limit of {limit}",
+            code="request_too_large",
         )
     chunks: list[bytes] = []
     size = 0
@@ -35,13 +37,17 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise ApiError(
-                    413, f"request body is over the limit of {limit} bytes (after decompression)"
+                    413,
+                    f"request body is over the limit of {limit} bytes (after decompression)",
+                    code="request_too_large",
                 )
             chunks.append(chunk)
     except (ContentEncodingError, web.RequestPayloadError) as exc:
         encoding = request.headers.get("Content-Encoding", "none")
         raise ApiError(
-            400, f"cannot read the request body (Content-Encoding: {encoding}): {exc}"
+            400,
+            f"cannot read the request body (Content-Encoding: {encoding}): {exc}",
+            code="invalid_encoding",
         ) from None
     return b"".join(chunks)
 

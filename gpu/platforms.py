@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import platform as _stdlib_platform
 import sys
@@ -26,9 +27,25 @@ from ..config import DEFAULT_MAX_PREFILL_TOKENS
 if TYPE_CHECKING:
     import torch
 
-    from ..config import EngineConfig
+    from ..config import EngineConfig, ModelConfig
+    from .model_info import ModelInfo
 
-__all__ = ["CpuPlatform", "CudaPlatform", "Platform"]
+__all__ = [
+    "CUDA_ONLY_ATTENTION_BACKENDS",
+    "CpuPlatform",
+    "CudaPlatform",
+    "Platform",
+    "estimate_weight_bytes",
+    "resolve_dtype",
+]
+
+# Built-in attention backends whose kernels are GPU code: asking for one on another
+# device is refused when the config is resolved, before any actor starts.
+CUDA_ONLY_ATTENTION_BACKENDS = ("flashinfer", "triton")
+DEFAULT_KV_CACHE_GB = 1.0  # the KV budget where neither the user nor the device decides
+DEFAULT_MEM_FRACTION_STATIC = 0.88  # CUDA: weights + KV pool; the rest for activations
+MAX_GRAPH_BATCH = 256
+CUDA_MAX_PREFILL_TOKENS = 8192
 
 # Present whenever torch.cuda could see a device: the NVIDIA driver, or ROCm's
 # kernel driver (ROCm builds of torch answer through torch.cuda too).
@@ -73,8 +90,31 @@ class Platform:
         """Bytes of device memory this process uses now."""
         raise NotImplementedError
 
+    def free_memory(self, index: int = 0) -> int:
+        """Bytes of device memory free now (for every process)."""
+        raise NotImplementedError
+
+    def default_dtype(self) -> str:
+        """What ``--dtype auto`` means here."""
+        return "float32"
+
     def default_attention_backend(self) -> str:
         return "torch"
+
+    def kv_cache_bytes(self, model: ModelConfig, info: ModelInfo) -> int:
+        """The KV pool's budget when ``--num-pages`` is not given (``model`` resolved)."""
+        return int((model.kv_cache_gb or DEFAULT_KV_CACHE_GB) * 2**30)
+
+    def check_config(self, config: EngineConfig) -> None:
+        """Refuse, in one line (a ValueError), what cannot run here; called on the
+        resolved config before any actor starts."""
+        m = config.model
+        if m.attention_backend in CUDA_ONLY_ATTENTION_BACKENDS and not m.device.startswith("cuda"):
+            raise ValueError(
+                f"attention backend {m.attention_backend!r} runs on CUDA devices only, and this "
+                f"machine's platform is {self.name} (device {m.device!r}); use "
+                f"--attention-backend {self.default_attention_backend()} or torch"
+            )
 
     def default_quantization(self, dtype: str) -> str:
         return "none"
@@ -93,10 +133,13 @@ class Platform:
         changes: dict[str, Any] = {}
         if not model.device:
             changes["device"] = self.device_type
+        dtype = model.dtype
+        if dtype in ("", "auto"):
+            dtype = changes["dtype"] = self.default_dtype()
         if not model.attention_backend:
             changes["attention_backend"] = self.default_attention_backend()
         if not model.quantization:
-            changes["quantization"] = self.default_quantization(model.dtype)
+            changes["quantization"] = self.default_quantization(dtype)
         if model.page_size <= 0:
             changes["page_size"] = self.page_size
         scheduler = config.scheduler
@@ -206,6 +249,13 @@ class CudaPlatform(Platform):
 
         return str(torch.cuda.get_device_name(index))
 
+    def device_capability(self, index: int = 0) -> tuple[int, int]:
+        """(major, minor) compute capability: 8.0 A100, 8.9 L4/L40, 9.0 H100/H200."""
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(index)
+        return int(major), int(minor)
+
     def total_memory(self, index: int = 0) -> int:
         import torch
 
@@ -218,19 +268,127 @@ class CudaPlatform(Platform):
 
         return int(torch.cuda.memory_allocated(index))
 
+    def free_memory(self, index: int = 0) -> int:
+        # The driver's count: other processes' memory, and this one's CUDA context, are
+        # already taken out of it.
+        import torch
+
+        return int(torch.cuda.mem_get_info(index)[0])
+
+    def default_dtype(self) -> str:
+        # bf16 where the tensor cores have it (Ampere on); fp16 before
+        return "bfloat16" if self.device_capability() >= (8, 0) else "float16"
+
     def default_attention_backend(self) -> str:
-        # flashinfer only where it imports and a backend by that name is registered;
-        # a CUDA machine without it still serves with the torch reference backend.
+        # flashinfer where it imports (its kernels need sm75+), then triton (sm70+), then
+        # the torch reference backend, which any CUDA machine runs.
         from ..extensions.points import ATTENTION_BACKENDS
         from . import attention  # noqa: F401  (registers the built-in backends, lazily)
 
-        if "flashinfer" not in ATTENTION_BACKENDS:
-            return "torch"
-        try:
-            importlib.import_module("flashinfer")
-        except Exception:  # ImportError, or a broken CUDA toolchain raising anything
-            return "torch"
-        return "flashinfer"
+        capability = self.device_capability()
+        for name, module, least in (
+            ("flashinfer", "flashinfer", (7, 5)),
+            ("triton", "triton", (7, 0)),
+        ):
+            if name in ATTENTION_BACKENDS and capability >= least and _imports(module):
+                return name
+        return "torch"
 
     def supports_graphs(self) -> bool:
         return True
+
+    def default_max_prefill_tokens(self) -> int:
+        # A data-center GPU runs 8k tokens of an 8B model's prefill in ~50 ms: a smaller
+        # chunk leaves its matmuls short of full speed, a larger one stalls decodes longer.
+        return CUDA_MAX_PREFILL_TOKENS
+
+    def adjust_defaults(self, config: EngineConfig) -> EngineConfig:
+        backend_open = not config.model.attention_backend
+        config = super().adjust_defaults(config)
+        m = config.model
+        changes: dict[str, Any] = {}
+        if backend_open and m.attention_backend == "flashinfer" and m.dtype == "float32":
+            # flashinfer runs 16-bit KV only; --dtype float32 still gets a CUDA kernel
+            changes["attention_backend"] = "triton" if _imports("triton") else "torch"
+        if m.cuda_graph_max_bs <= 0:
+            changes["cuda_graph_max_bs"] = min(
+                MAX_GRAPH_BATCH, config.scheduler.max_running_requests
+            )
+        if not changes:
+            return config
+        return msgspec.structs.replace(config, model=msgspec.structs.replace(m, **changes))
+
+    def kv_cache_bytes(self, model: ModelConfig, info: ModelInfo) -> int:
+        """``--kv-cache-gb`` if given; else SGLang's rule: weights and KV pool take
+        ``--mem-fraction-static`` of the device, counting what others hold already."""
+        if model.kv_cache_gb > 0 or not model.device.startswith("cuda"):
+            return super().kv_cache_bytes(model, info)
+        import torch
+
+        index = torch.device(model.device or "cuda").index or 0
+        total, free = self.total_memory(index), self.free_memory(index)
+        fraction = model.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        weights = estimate_weight_bytes(info, model.dtype)
+        budget = int(free - weights - total * (1 - fraction))
+        if budget <= 0:
+            raise ValueError(
+                f"no device memory left for the KV pool: {free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f}, weights ~{weights / 2**30:.1f} GiB, "
+                f"--mem-fraction-static {fraction}; raise it or set --kv-cache-gb"
+            )
+        return budget
+
+    def check_config(self, config: EngineConfig) -> None:
+        super().check_config(config)
+        m = config.model
+        needs = {"flashinfer": "flashinfer-python", "triton": "triton"}
+        if m.attention_backend in needs and not _imports(m.attention_backend):
+            raise ValueError(
+                f"attention backend {m.attention_backend!r} needs "
+                f"`pip install {needs[m.attention_backend]}`"
+            )
+        if m.attention_backend == "flashinfer" and m.dtype not in ("float16", "bfloat16"):
+            raise ValueError(
+                f"attention backend 'flashinfer' runs float16/bfloat16 only, not {m.dtype}; "
+                "use --dtype bfloat16 or --attention-backend triton"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        with contextlib.suppress(Exception):
+            info["capability"] = ".".join(map(str, self.device_capability()))
+        return info
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``--dtype`` made concrete for a config that skipped ``resolve_config``: ``auto``
+    is the active platform's choice on its own device, float32 on any other."""
+    if dtype not in ("", "auto"):
+        return dtype
+    from ..extensions.plugins import current_platform
+
+    platform = current_platform()
+    kind = (device or "cpu").partition(":")[0]
+    return platform.default_dtype() if kind == platform.device_type else "float32"
+
+
+def _imports(module: str) -> bool:
+    """Whether ``module`` is installed and imports (a broken CUDA toolchain may raise anything)."""
+    if importlib.util.find_spec(module) is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def estimate_weight_bytes(info: ModelInfo, dtype: str) -> int:
+    """A dense decoder's weights from its shape (for sizing the KV pool before loading;
+    the runner checks the pool against the memory really free once weights are in)."""
+    from .model_info import dtype_size
+
+    h, q, kv = info.hidden_size, info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * info.intermediate_size + 2 * h
+    embed = info.vocab_size * h * (1 if info.tie_word_embeddings else 2)
+    return (info.num_layers * layer + embed + h) * dtype_size(dtype)

@@ -17,9 +17,12 @@ from actorlm.extensions.registry import import_object
 from actorlm.messages.step import ForwardBatch, SeqError, SeqStep, StepResult
 
 from . import attention  # noqa: F401  (registers the built-in backends)
+from .cuda_graphs import capture_decode_graphs, use_cuda_graphs
+from .cuda_step import check_pool_fits, upload_meta
 from .forward_meta import ForwardMeta, SeqSpec
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
+from .platforms import resolve_dtype
 from .quantization import quantize_model
 
 __all__ = ["ModelRunner"]
@@ -31,9 +34,13 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig) -> None:
         torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
         torch.manual_seed(cfg.seed)
-        self.cfg = cfg
+        platform = current_platform()
         self.device = torch.device(cfg.device or "cpu")
+        dtype = resolve_dtype(cfg.dtype, str(self.device))  # "auto": the platform's
+        cfg = msgspec.structs.replace(cfg, device=str(self.device), dtype=dtype)
+        self.cfg = cfg
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
+        platform.set_device(self.device.index or 0)
         loader = make_loader(cfg)
         info = loader.model_info()
         max_len = cfg.max_model_len or info.max_model_len
@@ -45,16 +52,19 @@ class ModelRunner:
             max_len = info.sliding_window
         method = QUANTIZATION_METHODS.get(cfg.quantization or "none")()
         method.check(self.device, self.dtype)
+        num_pages = cfg.num_pages or kv_pages_for_budget(
+            info, platform.kv_cache_bytes(cfg, info), cfg.page_size, cfg.dtype
+        )
         self.model, _ = load_model(cfg, max_model_len=max_len, loader=loader)
         if converted := quantize_model(self.model, method):
             log.info("quantization %s: %d linear layers converted", method.name, converted)
-        num_pages = cfg.num_pages or kv_pages_for_budget(
-            info, cfg.kv_cache_gb * 2**30, cfg.page_size, cfg.dtype
-        )
-        pool_cls = import_object(current_platform().kv_pool_class)  # KVPool on the CPU
+        graphs = use_cuda_graphs(cfg, self.device, platform)
+        pages = num_pages + int(graphs)  # CUDA graphs: one page more, where padding rows write
+        check_pool_fits(self.device, info, pages, cfg.page_size, cfg.dtype, platform)
+        pool_cls = import_object(platform.kv_pool_class)  # KVPool on the CPU
         self.pool = pool_cls(
             info.num_layers,
-            num_pages,
+            pages,
             cfg.page_size,
             info.num_kv_heads,
             info.head_dim,
@@ -67,8 +77,9 @@ class ModelRunner:
             cfg.page_size,
             self.pool.nbytes / 2**20,
         )
-        self.attention_backend = (
-            cfg.attention_backend or current_platform().default_attention_backend()
+        on_platform = self.device.type == platform.device_type
+        self.attention_backend = cfg.attention_backend or (
+            platform.default_attention_backend() if on_platform else "torch"
         )
         backend_cls = ATTENTION_BACKENDS.get(self.attention_backend)
         self.backend = backend_cls(self.pool, info.num_heads, info.head_dim)
@@ -82,6 +93,7 @@ class ModelRunner:
         from .sampling import Sampler
 
         self.sampler = Sampler(info.vocab_size, self.device)
+        self.graphs = capture_decode_graphs(self, max_len, pad_page=num_pages) if graphs else None
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
@@ -123,10 +135,14 @@ class ModelRunner:
                 raise ValueError(
                     f"sequence of {s.start_pos + len(s.input_ids)} tokens exceeds max_model_len {self.info.max_model_len}"
                 )
-            if s.page_ids and max(s.page_ids) >= self.pool.num_pages:
+            if s.page_ids and max(s.page_ids) >= self.info.num_pages:
                 raise ValueError(
-                    f"page id {max(s.page_ids)} out of range (pool has {self.pool.num_pages})"
+                    f"page id {max(s.page_ids)} out of range (pool has {self.info.num_pages})"
                 )
-        meta = ForwardMeta.build(seqs, self.pool.page_size, self.device)
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            return self.graphs.run(seqs)
+        meta = ForwardMeta.build(seqs, self.pool.page_size)
+        if self.device.type != "cpu":
+            meta = upload_meta(meta, self.device)  # pinned, non-blocking
         self.backend.init_forward_metadata(meta)
         return self.model(meta, self.backend)

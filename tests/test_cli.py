@@ -84,3 +84,13 @@ def test_keys_are_created_owner_only(tmp_path: Path) -> None:
     assert (folder / "worker.key_secret").stat().st_mode & 0o777 == 0o600
     again = actorlm("keys", str(folder), "--roles", "worker")
     assert again.returncode == 0 and "0 key pair(s)" in again.stdout  # existing pairs stay
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_a_cuda_backend_on_a_cpu_machine_is_one_line(backend: str) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    line = one_error(actorlm("serve", "--attention-backend", backend))
+    assert f"attention backend '{backend}' runs on CUDA devices only" in line

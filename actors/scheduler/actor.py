@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 import msgspec
@@ -79,7 +78,7 @@ class SchedulerActor(Actor):
     # -- inbox ----------------------------------------------------------------
     @handles(TokenizedRequest)
     async def on_request(self, msg: TokenizedRequest, env: Envelope) -> None:
-        refused = self.planner.add(msg, env.sender, time.monotonic())
+        refused = self.planner.add(msg, env.sender)
         if refused is None and {"worker", "cache_manager"} & self.runtime.down:
             self.planner.abort(msg.rid, notify=False)
             refused = Refusal(
@@ -161,7 +160,7 @@ class SchedulerActor(Actor):
             # (its handler sets the event) is never slept through.
             self._wake.clear()
             if planner.waiting:
-                planner.expire_waiting(time.monotonic(), self.max_queue_time)
+                planner.expire_waiting(self.max_queue_time)
             await self._emit(planner.take_deltas())
             if not planner.has_work() or self._pool_down():
                 await self._idle()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ...config import DEFAULT_MAX_PREFILL_TOKENS, SchedulerConfig
@@ -73,12 +74,14 @@ class BatchPlanner:
         num_pages: int,
         max_model_len: int,
         prefix_cache: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if cfg.policy not in POLICIES:
             raise ValueError(
                 f"unknown scheduling policy {cfg.policy!r}; known: {', '.join(POLICIES)}"
             )
         self.cfg = cfg
+        self.clock = clock  # seconds; when a request arrives, for its queue deadline
         # 0 until a platform fills it in (resolve_config); a bare config gets the default
         self.prefill_budget = cfg.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
         self.page_size = page_size
@@ -112,7 +115,7 @@ class BatchPlanner:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
-    def add(self, msg: TokenizedRequest, reply_to: str, now: float = 0.0) -> Refusal | None:
+    def add(self, msg: TokenizedRequest, reply_to: str) -> Refusal | None:
         """Queue a request; returns why not if it cannot be queued."""
         if msg.rid in self.waiting or msg.rid in self.running:
             return Refusal(f"request id {msg.rid!r} is already in use", ErrorCode.INVALID_REQUEST)
@@ -137,7 +140,7 @@ class BatchPlanner:
             reply_to,
             next(self._seq),
             stop_ids=stops,
-            queued_at=now,
+            queued_at=self.clock(),
         )
         if msg.sampling.max_new_tokens == 0:
             self._deltas.append(self._delta(req, [], "length"))
@@ -169,9 +172,10 @@ class BatchPlanner:
         if waiting:
             self.waiting.clear()
 
-    def expire_waiting(self, now: float, max_wait: float) -> int:
+    def expire_waiting(self, max_wait: float) -> int:
         """End, as overloaded, the requests that waited more than ``max_wait`` to start
         (a retracted one has started: it stays); how many."""
+        now = self.clock()
         late = [
             r for r in self.waiting.values() if r.num_output == 0 and now - r.queued_at > max_wait
         ]

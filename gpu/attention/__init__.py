@@ -16,8 +16,12 @@ ATTENTION_BACKENDS.register_builtin(
     help="torch, with decodes in a C kernel over the KV pages (the CPU default)",
 )
 ATTENTION_BACKENDS.register_builtin(
-    "flashinfer", "actorlm.gpu.attention.cuda:FlashInferBackend", help="CUDA only (flashinfer)"
+    "flashinfer",
+    "actorlm.gpu.attention.flashinfer_backend:FlashInferBackend",
+    help="FlashInfer's paged decode/prefill wrappers (CUDA, fp16/bf16; the CUDA default)",
 )
 ATTENTION_BACKENDS.register_builtin(
-    "triton", "actorlm.gpu.attention.cuda:TritonBackend", help="CUDA only (triton)"
+    "triton",
+    "actorlm.gpu.attention.triton_backend:TritonBackend",
+    help="Triton paged decode (split-KV) and extend kernels (CUDA)",
 )

@@ -109,5 +109,8 @@ def load_model(
     loader = loader or make_loader(cfg)
     info = loader.model_info()
     model = build_model(info, max_model_len)
-    loader.load(model, torch.device(cfg.device or "cpu"), getattr(torch, cfg.dtype))
+    from ..platforms import resolve_dtype
+
+    dtype = resolve_dtype(cfg.dtype, cfg.device)  # "auto": the platform's
+    loader.load(model, torch.device(cfg.device or "cpu"), getattr(torch, dtype))
     return model, info

@@ -14,6 +14,7 @@ from actorlm.actors.cache.kv_cache import KVCacheManager
 from actorlm.actors.scheduler.policy import BatchPlanner
 from actorlm.config import SchedulerConfig
 from actorlm.messages.cache import Admitted, CacheStep, CacheStepResult
+from actorlm.messages.errors import ErrorCode
 from actorlm.messages.generate import TokenDelta, TokenizedRequest
 from actorlm.messages.sampling import SamplingParams
 from actorlm.messages.step import ForwardBatch, SeqResult, StepResult
@@ -145,3 +146,45 @@ def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
     planner, _ = make(4)
     refused = planner.add(request("big", list(range(40)), 8), "t")
     assert refused is not None and "KV cache" in refused.message
+
+
+def test_a_request_queued_too_long_fails_as_overloaded() -> None:
+    now = [100.0]
+    cfg = SchedulerConfig(max_running_requests=1, max_prefill_tokens=24)
+    planner = BatchPlanner(
+        cfg, page_size=PAGE, num_pages=64, max_model_len=4096, clock=lambda: now[0]
+    )
+    kv = KVCacheManager(64, PAGE)
+    assert planner.add(request("a", [1, 2, 3], 50), "t") is None
+    planner.apply_cache(apply(kv, planner.cache_ops()))  # "a" runs; "b" can only wait
+    assert planner.add(request("b", [4, 5, 6], 5), "t") is None
+    now[0] += 30
+    assert planner.expire_waiting(60.0) == 0
+    now[0] += 31
+    assert planner.expire_waiting(60.0) == 1 and "b" not in planner.waiting
+    (delta,) = planner.take_deltas()
+    assert delta.rid == "b" and delta.error_code is ErrorCode.OVERLOADED and "61s" in delta.error
+    assert "a" in planner.running  # a running request is never expired
+
+
+def test_requeued_requests_come_back_with_their_outputs() -> None:
+    planner, kv = make(64)
+    assert planner.add(request("a", [1, 2, 3, 4, 5], 6), "t") is None
+    planner.apply_cache(apply(kv, planner.cache_ops()))
+    history: dict[str, list[int]] = {}
+    for step_id in range(3):
+        batch = planner.build_batch(step_id)
+        planner.on_result(batch, model(batch, history))
+        ops = planner.cache_ops()
+        if ops is not None:
+            planner.apply_cache(apply(kv, ops))
+    before = list(planner.running["a"].ids)
+    planner.pool_lost()
+    planner.requeue_running()
+    req = planner.waiting["a"]
+    assert req.ids == before and req.computed == 0 and req.pages == [] and req.needs_init
+    fresh = KVCacheManager(64, PAGE)  # the cache manager starts over with the next epoch
+    planner.apply_cache(apply(fresh, planner.cache_ops()))
+    batch = planner.build_batch(10)
+    (seq,) = batch.seqs
+    assert seq.start_pos == 0 and seq.input_ids == before and seq.init is not None

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The checks a CUDA machine runs for the cuda platform (issue 20), in one go:
+#   scripts/gpu_check.sh [OUT_DIR]
+# Uses $PYTHON (default: .venv/bin/python, else python3), which must have a CUDA build of
+# torch; triton and flashinfer are used where they import (nothing is downloaded here).
+# 1. the GPU tests and the Triton kernel tests (compiled on CUDA tensors when a GPU is
+#    present), 2. bench/gpu.py for each CUDA backend that imports. Writes OUT_DIR
+#    (default bench/results/gpu-check): pytest's log, the benchmark's JSON and table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-bench/results/gpu-check}
+mkdir -p "$out"
+python=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+
+"$python" - <<'PY' | tee "$out/versions.txt"
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+for name in ("triton", "flashinfer"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as exc:
+        print(name, "unavailable:", repr(exc)[:200])
+PY
+
+backends=$("$python" -c "
+import importlib.util as u
+print(','.join(n for n in ('flashinfer', 'triton') if u.find_spec(n)))")
+
+"$python" -m pytest -q -rs -p no:cacheprovider \
+    tests/gpu/test_cuda_backends.py tests/gpu/test_cuda_graphs.py tests/gpu/test_platforms.py \
+    tests/gpu/attention tests/gpu/lora tests/gpu/test_sampling.py tests/extensions/test_discovery.py \
+    2>&1 | tee "$out/pytest.txt"
+tests_rc=${PIPESTATUS[0]}
+
+"$python" bench/gpu.py --attention-backends "$backends" --out "$out/gpu.json" 2>&1 | tee "$out/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+echo "pytest rc=$tests_rc bench rc=$bench_rc"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

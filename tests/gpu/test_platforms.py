@@ -1,0 +1,85 @@
+"""The platforms' serving decisions: --dtype auto, the KV budget, the default attention
+backend, and refusing what a machine cannot run before any actor starts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from actorlm.config import EngineConfig, ModelConfig
+from actorlm.gpu.model_info import load_model_info
+from actorlm.gpu.platforms import CpuPlatform, CudaPlatform, estimate_weight_bytes
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def config(**model: object) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(**model))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_cuda_only_backends_are_refused_on_the_cpu_in_one_line(backend: str) -> None:
+    platform = CpuPlatform()
+    resolved = platform.adjust_defaults(config(attention_backend=backend))
+    with pytest.raises(ValueError, match=f"'{backend}' runs on CUDA devices only") as exc:
+        platform.check_config(resolved)
+    assert "\n" not in str(exc.value) and "--attention-backend cpu or torch" in str(exc.value)
+    platform.check_config(platform.adjust_defaults(config(attention_backend="torch")))
+
+
+def test_cuda_platform_names_what_to_install() -> None:
+    # what check_config asks of CUDA needs no device: an installed module, a 16-bit dtype
+    platform = CudaPlatform()
+    missing = [n for n in ("flashinfer", "triton") if importlib.util.find_spec(n) is None]
+    for name in missing:
+        with pytest.raises(ValueError, match=f"'{name}' needs `pip install"):
+            platform.check_config(config(device="cuda", dtype="bfloat16", attention_backend=name))
+    if "flashinfer" not in missing:
+        with pytest.raises(ValueError, match="float16/bfloat16 only"):
+            platform.check_config(
+                config(device="cuda", dtype="float32", attention_backend="flashinfer")
+            )
+
+
+def test_dtype_auto_and_the_kv_budget_on_the_cpu() -> None:
+    platform = CpuPlatform()
+    model = platform.adjust_defaults(config()).model
+    assert model.dtype == "float32" and model.kv_cache_gb == 0
+    info = None  # the CPU budget does not look at the model
+    assert platform.kv_cache_bytes(model, info) == 2**30  # type: ignore[arg-type]
+    half = ModelConfig(kv_cache_gb=0.5)
+    assert platform.kv_cache_bytes(half, info) == 2**29  # type: ignore[arg-type]
+    # a CPU pool on a CUDA machine is budgeted like the CPU's
+    assert CudaPlatform().kv_cache_bytes(ModelConfig(device="cpu"), info) == 2**30  # type: ignore[arg-type]
+
+
+def test_weight_estimate_counts_a_dense_llama_exactly(tiny_llama: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    info = load_model_info(tiny_llama)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    assert estimate_weight_bytes(info, "float32") == hf.num_parameters() * 4
+    assert estimate_weight_bytes(info, "bfloat16") == hf.num_parameters() * 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_platform_serving_defaults(tiny_llama: Path) -> None:
+    platform = CudaPlatform()
+    major, minor = platform.device_capability()
+    assert major >= 7 and platform.describe()["capability"] == f"{major}.{minor}"
+    assert 0 < platform.free_memory() <= platform.total_memory()
+    resolved = platform.adjust_defaults(config())
+    model = resolved.model
+    assert model.device == "cuda" and model.dtype == ("bfloat16" if major >= 8 else "float16")
+    assert model.attention_backend in ("flashinfer", "triton", "torch")
+    assert model.cuda_graph_max_bs == min(256, resolved.scheduler.max_running_requests)
+    platform.check_config(resolved)
+    info = load_model_info(tiny_llama)
+    budget = platform.kv_cache_bytes(model, info)
+    fraction = platform.kv_cache_bytes(ModelConfig(device="cuda", mem_fraction_static=0.5), info)
+    assert 0 < fraction < budget < platform.free_memory()
+    fp32 = platform.adjust_defaults(config(dtype="float32")).model
+    assert fp32.attention_backend != "flashinfer"  # it runs 16-bit KV only
