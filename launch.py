@@ -22,11 +22,11 @@ same fields as the CLI flags.
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import tomllib
 
 from .config import (
     CacheConfig,

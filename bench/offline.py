@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
             "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),

@@ -64,7 +64,7 @@ async def send_one(
                     rec.on_event(ev, t)
             for ev in parser.close():
                 rec.on_event(ev, time.perf_counter())
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return rec.finish(time.perf_counter(), f"{type(e).__name__}: {e}")
     return rec.finish(time.perf_counter())
 
@@ -180,15 +180,10 @@ async def wait_ready(
                                 if m.status == 200:
                                     data = (await m.json(content_type=None)).get("data") or []
                                     model = data[0].get("id") if data else None
-                        except (
-                            aiohttp.ClientError,
-                            asyncio.TimeoutError,
-                            ValueError,
-                            AttributeError,
-                        ):
+                        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
                             pass
                         return model
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
             await asyncio.sleep(1.0)
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")

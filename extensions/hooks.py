@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 F = TypeVar("F")
 
 
-class HookType(str, enum.Enum):
+class HookType(enum.StrEnum):
     BEFORE = "before"
     AFTER = "after"
     AROUND = "around"

@@ -225,7 +225,7 @@ async def health_generate(request: web.Request) -> web.Response:
 
     try:
         await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
-    except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+    except TimeoutError:
         raise ApiError(
             503,
             f"no token within {HEALTH_GENERATE_TIMEOUT_S:g}s",

@@ -47,6 +47,14 @@ def delta_error(delta: TextDelta) -> ApiError:
     return code_error(delta.error_code or ErrorCode.INTERNAL, delta.error or "the request failed")
 
 
+def _code(err: ApiError) -> ErrorCode:
+    """The typed code an ApiError came from, where it came from one."""
+    try:
+        return ErrorCode(err.code)
+    except ValueError:
+        return code_for_status(err.status)
+
+
 def failure_error(exc: BaseException) -> ApiError:
     if isinstance(exc, RequestFailed):
         return code_error(exc.code, str(exc))
@@ -113,7 +121,7 @@ class Fanout:
                         rid=req.rid,
                         finish_reason="error",
                         error=err.message,
-                        error_code=code_for_status(err.status),
+                        error_code=_code(err),
                     ),
                 )
             )

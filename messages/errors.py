@@ -12,7 +12,7 @@ import enum
 __all__ = ["HTTP_STATUS", "ErrorCode", "code_for_status"]
 
 
-class ErrorCode(str, enum.Enum):
+class ErrorCode(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"  # the client's fault: bad parameters, bad prompt
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max tokens past the context
     NOT_FOUND = "not_found"  # an unknown model or adapter

@@ -119,7 +119,8 @@ class BatchPlanner:
         """Queue a request; returns why not if it cannot be queued."""
         if msg.rid in self.waiting or msg.rid in self.running:
             return Refusal(f"request id {msg.rid!r} is already in use", ErrorCode.INVALID_REQUEST)
-        if len(self.waiting) >= self.cfg.max_queued_requests:
+        limit = self.cfg.max_queued_requests  # 0: no limit, as at the gateway
+        if limit and len(self.waiting) >= limit:
             return Refusal(
                 "the server is overloaded: the waiting queue is full", ErrorCode.OVERLOADED
             )

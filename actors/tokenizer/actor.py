@@ -9,9 +9,12 @@ strings. Long inputs are tokenized in a thread so the loop keeps streaming.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ...messages.control import ErrorReply
 from ...messages.envelope import Envelope
@@ -33,6 +36,7 @@ from .detokenize import TextStream, stream_batch, token_logprobs
 __all__ = ["TokenizerActor"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Inputs longer than this are tokenized off the event loop (the thread hop costs ~0.1 ms).
 _INLINE_CHARS = 4096
@@ -41,12 +45,45 @@ _INLINE_CHARS = 4096
 _CHARS_PER_TOKEN_BOUND = 64
 # Chat templates render in threads, at most this many at once (a slow one holds a thread).
 _RENDERS = 2
+# Arguments of the render itself, which chat_template_kwargs cannot replace.
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {"messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
+     "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 class RequestError(Exception):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
         super().__init__(message)
         self.code = code
+
+
+async def _daemon_thread(fn: Callable[[], T], done: Callable[[], None]) -> T:
+    """``fn()`` in a daemon thread (an executor's threads are joined at exit: a runaway
+    render would hold the process up); ``done`` runs, on the loop, when it ends."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        done()
+        if future.done():  # its caller gave up (the time limit)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        outcome: tuple[T | None, BaseException | None]
+        try:
+            outcome = (fn(), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed while this ran
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="chat-template", daemon=True).start()
+    return await future
 
 
 @dataclass
@@ -107,6 +144,11 @@ class TokenizerActor(Actor):
             code = exc.code if isinstance(exc, RequestError) else ErrorCode.INVALID_REQUEST
             await self._fail(reply_to, req.rid, str(exc), code)
             return
+        except Exception as exc:  # a bug: the request fails, the actor and its books stay whole
+            log.exception("tokenizing %s failed", req.rid)
+            self.tokenizing.discard(req.rid)
+            await self._fail(reply_to, req.rid, f"tokenizing failed: {exc!r}", ErrorCode.INTERNAL)
+            return
         if req.rid not in self.tokenizing:  # aborted while we tokenized
             await self._fail(reply_to, req.rid, "", None, reason="abort", prompt_tokens=len(ids))
             return
@@ -165,9 +207,13 @@ class TokenizerActor(Actor):
     async def _render(self, req: GenerateRequest) -> list[int]:
         """The chat's token ids, its template rendered off the loop within a time limit,
         so no template (the model's, given odd arguments, or a trusted request's own)
-        stalls this actor. A render past the limit keeps its thread until it ends; the
-        request fails at once, and at most ``_RENDERS`` renders run at a time."""
+        stalls this actor. A render past the limit fails its request at once but keeps
+        its thread (and its slot: at most ``_RENDERS`` run at a time) until it ends; the
+        thread is a daemon, so it never holds up the process's exit."""
         kwargs = dict(req.chat_template_kwargs)
+        taken = sorted(_RESERVED_TEMPLATE_ARGS & set(kwargs))
+        if taken:
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}")
         if "chat_template" in kwargs and not self.config.server.trust_request_chat_template:
             raise RequestError(
                 "chat templates sent with a request are refused (the operator can allow them "
@@ -181,8 +227,8 @@ class TokenizerActor(Actor):
 
         try:
             async with asyncio.timeout(limit):
-                async with self._renders:
-                    return await self.run_blocking(render)
+                await self._renders.acquire()
+                return await _daemon_thread(render, self._renders.release)
         except TimeoutError:
             raise RequestError(f"the chat template took longer than {limit:g}s to render") from None
 
