@@ -57,6 +57,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Running requests when the worker (or cache manager) is lost: "fail" them with an
     # error, or "recompute" them from their tokens on its successor.
     on_worker_loss: str = "fail"
+    # Plan and send step N+1 while the worker runs step N (the same tokens either way).
+    disable_overlap_schedule: bool = False
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,7 @@ from actorlm.config import ModelConfig
 from actorlm.extensions.plugins import current_platform
 from actorlm.extensions.points import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from actorlm.extensions.registry import import_object
-from actorlm.messages.step import ForwardBatch, SeqError, SeqStep, StepResult
+from actorlm.messages.step import PENDING_TOKEN, ForwardBatch, SeqError, SeqStep, StepResult
 
 from . import attention  # noqa: F401  (registers the built-in backends)
 from .cuda_graphs import capture_decode_graphs, use_cuda_graphs
@@ -93,6 +93,7 @@ class ModelRunner:
         from .sampling import Sampler
 
         self.sampler = Sampler(info.vocab_size, self.device)
+        self._last: dict[str, int] = {}  # each sequence's last sampled token (PENDING_TOKEN)
         self.graphs = capture_decode_graphs(self, max_len, pad_page=num_pages) if graphs else None
 
     def forward(self, batch: ForwardBatch) -> StepResult:
@@ -100,8 +101,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         for rid in batch.release:
             self.sampler.release(rid)
+            self._last.pop(rid, None)
         errors: list[SeqError] = []
-        seqs = batch.seqs
+        seqs = [self._resolve(s) for s in batch.seqs]
         for s in batch.seqs:
             if s.init is not None:
                 try:
@@ -117,12 +119,25 @@ class ModelRunner:
             logits = self.forward_logits(seqs)
             if rids:
                 results = self.sampler.sample(rids, logits)
+                self._last.update((r.rid, r.token_id) for r in results)
         return StepResult(
             step_id=batch.step_id,
             results=results,
             errors=errors,
             forward_ms=(time.perf_counter() - t0) * 1e3,
         )
+
+    def release_all(self) -> None:
+        """Forget every sequence (their scheduler is gone)."""
+        self.sampler.release_all()
+        self._last.clear()
+
+    def _resolve(self, seq: SeqStep) -> SeqStep:
+        """Fill in a PENDING_TOKEN input with the token the sequence sampled last."""
+        if PENDING_TOKEN not in seq.input_ids:
+            return seq
+        ids = [self._last[seq.rid] if t == PENDING_TOKEN else t for t in seq.input_ids]
+        return msgspec.structs.replace(seq, input_ids=ids)
 
     def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""

@@ -11,6 +11,7 @@ from .errors import ErrorCode
 from .sampling import SamplingParams
 
 __all__ = [
+    "PENDING_TOKEN",
     "ForwardBatch",
     "PageIO",
     "SeqError",
@@ -20,6 +21,11 @@ __all__ = [
     "StepResult",
     "TopLogprob",
 ]
+
+
+# An input token the worker fills in: the one this sequence sampled in the step before
+# (overlap scheduling sends a step before the previous one's tokens are back).
+PENDING_TOKEN = -1
 
 
 class SeqInit(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,7 +47,8 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     ``input_ids`` are the tokens to compute now (a prefill chunk, or one decode
     token); ``start_pos`` tokens of this sequence are already in the KV cache;
     ``page_ids`` is the page table covering ``start_pos + len(input_ids)`` tokens.
-    ``sample`` is False for a prefill chunk that is not the prompt's last.
+    ``sample`` is False for a prefill chunk that is not the prompt's last. A decode's
+    input may be ``PENDING_TOKEN``: the token this sequence sampled in the step before.
     """
 
     rid: str

@@ -283,8 +283,8 @@ class ActorRuntime:
             log.warning(
                 "%s: peer %s %s (%s)", self.role, change.role, change.kind.value, change.reason
             )
-        elif change.role in self.book or change.role == self.options.supervisor:
-            log.info("%s: peer %s is up", self.role, change.role)
+        else:
+            log.debug("%s: peer %s is up", self.role, change.role)
         self._slow.append(change)
         self._slow_ready.set()
 

@@ -185,6 +185,7 @@ class Launcher:
         if self._stopping:
             return
         self._stopping = True
+        self._supervisor.peers.timeout_s = float("inf")  # they go quiet now: not a death
         gateway = self.members.get(GATEWAY)
         if gateway is not None:
             drain = self.config.server.drain_timeout_s + 2.0

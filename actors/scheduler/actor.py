@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ...messages.base import Message
 from ...messages.cache import CacheStepResult
 from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode, code_for_status
@@ -32,7 +33,7 @@ from ...messages.generate import (
     TokenDelta,
     TokenizedRequest,
 )
-from ...messages.step import StepResult
+from ...messages.step import ForwardBatch, StepResult
 from ..runtime import Actor, ActorError, handles
 from .policy import BatchPlanner, Refusal
 
@@ -66,6 +67,7 @@ class SchedulerActor(Actor):
         self.pool_epoch = (self.runtime.incarnation & (2**40 - 1)) << 20
         cfg = self.config
         self.max_queue_time = cfg.scheduler.max_queue_time_s or cfg.deploy.request_timeout_s
+        self.overlap = not cfg.scheduler.disable_overlap_schedule
         self.spawn(self._loop(), name="scheduler-loop")
 
     def stats(self) -> dict[str, Any]:
@@ -177,31 +179,57 @@ class SchedulerActor(Actor):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), min(1.0, self.max_queue_time))
 
-    async def _step(self) -> bool:
-        changed = await self._cache_step()
+    def _forward(self, batch: ForwardBatch) -> asyncio.Task[Message]:
+        timeout = self.config.scheduler.step_timeout_s
+        return asyncio.create_task(self.request("worker", batch, timeout=timeout))
+
+    def _next_batch(self) -> ForwardBatch:
         self._step_id += 1
-        planner = self.planner
-        batch = planner.build_batch(self._step_id)
+        return self.planner.build_batch(self._step_id)
+
+    async def _step(self) -> bool:
+        """Steps until the batch runs dry. With overlap, the next step is planned and sent
+        while the worker computes this one, so it goes straight from one to the next."""
+        changed = await self._cache_step()
+        batch = self._next_batch()
         if not batch.seqs:
             return changed
-        try:
-            reply = await self.request(
-                "worker", batch, timeout=self.config.scheduler.step_timeout_s
-            )
-        except ActorError as exc:
-            log.error("forward step failed: %s", exc)
-            planner.fail_batch(
-                batch, f"the forward pass failed: {exc}", code_for_status(exc.status)
-            )
-            return True
-        assert isinstance(reply, StepResult)
-        deltas = planner.on_result(batch, reply)
-        if planner.has_finishes():
-            # The pages of finished requests go back before their clients hear they are
-            # done, so whatever a client does next (a cache flush, the same prompt
-            # again) sees them released. It is the next step's cache round, run early.
+        planner = self.planner
+        flight: tuple[ForwardBatch, asyncio.Task[Message]] | None = (batch, self._forward(batch))
+        finished: list[TokenDelta] = []  # told only once their pages are back
+        while flight is not None:
+            batch, task = flight
+            flight = None
+            if self.overlap and not self._pool_down():
+                await self._cache_step()  # this step's finishes, the next step's pages
+                await self._emit(finished)
+                finished = []
+                ahead = self._next_batch()
+                if ahead.seqs:
+                    flight = (ahead, self._forward(ahead))
+            try:
+                reply = await task
+            except ActorError as exc:
+                log.error("forward step failed: %s", exc)
+                planner.fail_batch(
+                    batch, f"the forward pass failed: {exc}", code_for_status(exc.status)
+                )
+                continue  # a step still in flight gets its own answer, or error
+            assert isinstance(reply, StepResult)
+            deltas = planner.on_result(batch, reply)
+            await self._emit([d for d in deltas if d.finish_reason is None])
+            finished += [d for d in deltas if d.finish_reason is not None]
+            if flight is None and finished:
+                # The pages of finished requests go back before their clients hear they
+                # are done, so whatever a client does next (a cache flush, the same
+                # prompt again) sees them released: the next cache round, run early.
+                if planner.has_finishes():
+                    await self._cache_step()
+                await self._emit(finished)
+                finished = []
+        if finished:  # the last step failed
             await self._cache_step()
-        await self._emit(deltas)
+            await self._emit(finished)
         return True
 
     async def _cache_step(self) -> bool:

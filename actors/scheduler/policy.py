@@ -8,6 +8,15 @@ One step is: ``cache_ops()`` → (cache manager) → ``apply_cache()`` →
 computes the next chunk of it. A decode is the chunk of one token; a retracted
 request comes back as a prefill of everything it had, mostly served from the
 prefix cache.
+
+Overlap (``lookahead=True``): while the worker runs step N, the next step is
+planned and sent, so the worker goes from one to the next without waiting for the
+scheduler. A request in step N is planned ``ahead`` of what is computed; where N
+samples its next token, step N+1 names it ``PENDING`` and the worker fills it in.
+A request that finishes (or is aborted) with a step still in flight becomes a
+zombie: its pages are kept until that step is back, and its extra token is dropped,
+so the tokens delivered are the same with overlap on or off. Nothing is retracted
+while a step is in flight: a refused page waits for the next plain step.
 """
 
 from __future__ import annotations
@@ -23,11 +32,20 @@ from ...messages.cache import AdmitOp, CacheStep, CacheStepResult, CommitOp, Ext
 from ...messages.errors import ErrorCode
 from ...messages.generate import TokenDelta, TokenizedRequest
 from ...messages.sampling import SamplingParams
-from ...messages.step import ForwardBatch, PageIO, SeqInit, SeqStep, StepResult, TopLogprob
+from ...messages.step import (
+    PENDING_TOKEN,
+    ForwardBatch,
+    PageIO,
+    SeqInit,
+    SeqStep,
+    StepResult,
+    TopLogprob,
+)
 
-__all__ = ["POLICIES", "BatchPlanner", "Refusal", "Req"]
+__all__ = ["PENDING", "POLICIES", "BatchPlanner", "Refusal", "Req"]
 
 POLICIES = ("fcfs", "lpm", "priority")
+PENDING = PENDING_TOKEN  # an input the worker fills in: what this sequence sampled last
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,11 @@ class Req:
     needs_init: bool = True
     committed: bool = False
     blocked: bool = False  # refused pages this step
-    chunk: int = 0  # tokens computed by the step in flight
+    ahead: int = 0  # tokens in steps in flight (not yet in ``computed``)
+    pending: int = 0  # tokens those steps will sample (not yet in ``ids``)
+    zombie: bool = False  # ended, but a step in flight still names it
+    zombie_cache: bool = True  # when it is settled: cache its pages (else just free them)
+    held: TokenDelta | None = None  # a finished zombie's last delta, sent once it is settled
 
     @property
     def num_output(self) -> int:
@@ -63,6 +85,16 @@ class Req:
     @property
     def params(self) -> SamplingParams:
         return self.request.sampling
+
+    @property
+    def base(self) -> int:
+        """Where its next chunk starts: computed, plus what steps in flight compute."""
+        return self.computed + self.ahead
+
+    @property
+    def todo(self) -> int:
+        """Tokens known (or pending) whose KV no step has been asked for yet."""
+        return len(self.ids) + self.pending - self.base
 
 
 class BatchPlanner:
@@ -100,6 +132,10 @@ class BatchPlanner:
         self._store_pages: list[PageIO] = []
         self._load_pages: list[PageIO] = []
         self._forget_keys: list[str] = []
+        # Steps sent and not answered yet, oldest first: step id → {rid: (chunk, samples)}.
+        self._flight: dict[int, dict[str, tuple[int, bool]]] = {}
+        self._zombies: dict[str, Req] = {}
+        self._refused = False  # a page was refused while a step was in flight
         # After a retraction, admit nothing until a request ends: admitting into the
         # pages a retraction just freed would only cause the next retraction.
         self._hold_admission = False
@@ -109,6 +145,7 @@ class BatchPlanner:
             "cached_tokens": 0,
             "retractions": 0,
             "steps": 0,
+            "zombies": 0,  # requests that ended with a step still in flight (overlap)
         }
 
     # -- requests in and out --------------------------------------------------
@@ -155,7 +192,7 @@ class BatchPlanner:
             req = self.running.pop(rid, None)
             if req is None:
                 return False
-            self._finish_pages(req, cache=True)
+            self._end(req)
         if notify:
             self._deltas.append(self._delta(req, [], reason))
         return True
@@ -169,7 +206,12 @@ class BatchPlanner:
             if req.rid in self.running:
                 self._releases.append(req.rid)
                 self._worker_release.append(req.rid)
+        for req in self._zombies.values():
+            self._releases.append(req.rid)
+            self._worker_release.append(req.rid)
         self.running.clear()
+        self._zombies.clear()
+        self._flight.clear()  # its steps are not coming back
         if waiting:
             self.waiting.clear()
 
@@ -199,19 +241,29 @@ class BatchPlanner:
         self._extends = {}
         self._store_pages, self._load_pages = [], []
         self._hold_admission = False
+        self._flight.clear()
+        self._zombies.clear()
+        self._refused = False
+        for req in self.running.values():
+            req.ahead, req.pending = 0, 0
 
     def requeue_running(self) -> None:
         """Every running request goes back to the queue, to be computed again from its
         tokens (prompt and outputs so far) on the next pool: its stream goes on."""
         for req in sorted(self.running.values(), key=lambda r: r.seq):
             req.pages, req.computed, req.committed = [], 0, False
-            req.needs_init, req.blocked, req.chunk = True, False, 0
+            req.needs_init, req.blocked, req.ahead, req.pending = True, False, 0, 0
             self.waiting[req.rid] = req
             self._worker_release.append(req.rid)
         self.running.clear()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finishes or self._releases)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps sent to the worker and not answered yet."""
+        return len(self._flight)
 
     def has_finishes(self) -> bool:
         """Finished requests whose pages the cache manager has not been told of yet."""
@@ -235,8 +287,8 @@ class BatchPlanner:
         self._extends = {}
         for req in self.running.values():
             req.blocked = False
-            if len(req.ids) - req.computed == 1:  # decoding: room for one more token?
-                need = self.pages_for(req.computed + 1) - len(req.pages)
+            if req.todo == 1:  # decoding: room for one more token?
+                need = self.pages_for(req.base + 1) - len(req.pages)
                 if need > 0:
                     self._extends[req.rid] = need
         admits: list[AdmitOp] = []
@@ -297,7 +349,9 @@ class BatchPlanner:
                 req.pages.extend(result.extended[rid])
             else:
                 req.blocked, refused = True, True
-        if refused:
+        if refused and self._flight:
+            self._refused = True  # retract once the steps in flight are back
+        elif refused:
             self._retract_one()
 
     def _retract_one(self) -> None:
@@ -313,21 +367,24 @@ class BatchPlanner:
         self._hold_admission = True
 
     def build_batch(self, step_id: int) -> ForwardBatch:
+        """The next step's batch. With a step in flight (overlap) it goes on from where
+        that one ends; empty if a page was refused meanwhile (a plain step comes first)."""
+        if self._flight and self._refused:
+            return ForwardBatch(step_id=step_id, seqs=[])
         budget = self.prefill_budget
         seqs: list[SeqStep] = []
-        decodes = [r for r in self.running.values() if len(r.ids) - r.computed == 1]
-        prefills = [r for r in self.running.values() if len(r.ids) - r.computed > 1]
+        plan: dict[str, tuple[int, bool]] = {}
+        decodes = [r for r in self.running.values() if r.todo == 1]
+        prefills = [r for r in self.running.values() if r.todo > 1]
         for req in decodes + prefills:
-            req.chunk = 0
             if req.blocked:
                 continue
-            remaining = len(req.ids) - req.computed
+            remaining = req.todo
             chunk = 1 if remaining == 1 else min(remaining, budget)
             if chunk <= 0:
                 continue
             budget -= chunk
-            req.chunk = chunk
-            end = req.computed + chunk
+            start, end = req.base, req.base + chunk
             init = None
             if req.needs_init:
                 init = SeqInit(
@@ -338,19 +395,18 @@ class BatchPlanner:
                 )
                 req.needs_init = False
             table = req.pages[: self.pages_for(end)]
-            seqs.append(
-                SeqStep(
-                    req.rid,
-                    req.ids[req.computed : end],
-                    req.computed,
-                    table,
-                    end == len(req.ids),
-                    init,
-                )
-            )
+            sample = end == len(req.ids) + req.pending
+            ids = req.ids[start:end] if end <= len(req.ids) else [PENDING]
+            seqs.append(SeqStep(req.rid, ids, start, table, sample, init))
+            plan[req.rid] = (chunk, sample)
         release, self._worker_release = self._worker_release, []
         if not seqs:
             return ForwardBatch(step_id=step_id, seqs=[], release=release)
+        for rid, (chunk, sample) in plan.items():
+            req = self.running[rid]
+            req.ahead += chunk
+            req.pending += sample
+        self._flight[step_id] = plan
         stores, loads = self._store_pages, self._load_pages
         self._store_pages, self._load_pages = [], []
         return ForwardBatch(
@@ -359,17 +415,19 @@ class BatchPlanner:
 
     def on_result(self, batch: ForwardBatch, result: StepResult) -> list[TokenDelta]:
         self.stats["steps"] += 1
+        plan = self._landed(batch)
         for err in result.errors:
             self._fail(err.rid, err.message, err.code)
         self._forget_keys += result.lost_keys
         by_rid = {r.rid: r for r in result.results}
         for seq in batch.seqs:
             req = self.running.get(seq.rid)
-            if req is None or req.chunk == 0:
-                continue  # aborted while the step ran
-            req.computed += req.chunk
-            key = "decode_tokens" if req.chunk == 1 and req.num_output > 0 else "prefill_tokens"
-            self.stats[key] += req.chunk
+            if req is None or seq.rid not in plan:
+                continue  # ended while the step ran
+            chunk, _ = plan[seq.rid]
+            req.computed += chunk
+            key = "decode_tokens" if chunk == 1 and req.num_output > 0 else "prefill_tokens"
+            self.stats[key] += chunk
             res = by_rid.get(seq.rid)
             if res is None:
                 continue
@@ -382,25 +440,75 @@ class BatchPlanner:
             tops: list[list[TopLogprob]] | None = (
                 [res.top_logprobs] if res.top_logprobs is not None else None
             )
-            self._deltas.append(self._delta(req, [res.token_id], reason, logprobs=lps, top=tops))
-            if reason is not None:
-                del self.running[req.rid]
-                self._finish_pages(req, cache=True)
+            delta = self._delta(req, [res.token_id], reason, logprobs=lps, top=tops)
+            if reason is None:
+                self._deltas.append(delta)
+                continue
+            del self.running[req.rid]
+            if req.ahead:  # its last delta waits until its pages are back (see _landed)
+                req.held = delta
+            else:
+                self._deltas.append(delta)
+            self._end(req)
+        if not self._flight and self._refused:
+            self._refused = False
         return self.take_deltas()
+
+    def _landed(self, batch: ForwardBatch) -> dict[str, tuple[int, bool]]:
+        """Step ``batch`` is back: take its plan off the flight, settle zombies it held."""
+        plan = self._flight.pop(batch.step_id, {})
+        for rid, (chunk, sample) in plan.items():
+            req = self.running.get(rid) or self._zombies.get(rid)
+            if req is None:
+                continue
+            req.ahead -= chunk
+            req.pending -= sample
+            if req.zombie and req.ahead == 0:
+                del self._zombies[rid]
+                self._finish_pages(req, cache=req.zombie_cache)
+                if req.held is not None:
+                    self._deltas.append(req.held)
+                    req.held = None
+        return plan
 
     def fail_batch(
         self, batch: ForwardBatch, message: str, code: ErrorCode = ErrorCode.INTERNAL
     ) -> None:
+        plan = self._flight.pop(batch.step_id, {})
         for seq in batch.seqs:
             self._fail(seq.rid, message, code)
+            zombie = self._zombies.pop(seq.rid, None)
+            if zombie is not None:
+                self._releases.append(zombie.rid)
+                self._worker_release.append(zombie.rid)
+        for rid, (chunk, sample) in plan.items():
+            req = self.running.get(rid)
+            if req is not None:
+                req.ahead -= chunk
+                req.pending -= sample
 
     def _fail(self, rid: str, message: str, code: ErrorCode) -> None:
         """End running ``rid`` with an error; its pages go back uncached."""
         req = self.running.pop(rid, None)
         if req is not None:
+            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
+            if req.ahead:  # a step in flight still writes into its pages
+                req.zombie, req.zombie_cache = True, False
+                self._zombies[rid] = req
+                self.stats["zombies"] += 1
+                return
             self._releases.append(req.rid)
             self._worker_release.append(req.rid)
-            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
+
+    def _end(self, req: Req) -> None:
+        """``req`` left the running batch (finished, aborted): its pages go back, cached,
+        once no step in flight writes into them."""
+        if req.ahead:
+            req.zombie, req.zombie_cache = True, True
+            self._zombies[req.rid] = req
+            self.stats["zombies"] += 1
+            return
+        self._finish_pages(req, cache=True)
 
     # -- helpers ----------------------------------------------------------------
     def _finish_reason(self, req: Req, token: int) -> str | None:

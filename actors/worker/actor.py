@@ -98,7 +98,7 @@ class WorkerActor(Actor):
         if role == "scheduler" and reason == RESTARTED:
             # Its requests died with it: their sampling state here is garbage.
             async with self._lock:
-                self.runner.sampler.release_all()
+                self.runner.release_all()
 
     @handles(GetInfo)
     async def on_info(self, msg: GetInfo, env: Envelope) -> Info:

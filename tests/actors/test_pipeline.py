@@ -189,6 +189,40 @@ def test_small_kv_pool_forces_retraction_and_outputs_survive(
         assert out.token_ids[:n] == alone[i][:n]
 
 
+def test_overlap_on_and_off_give_the_same_tokens(tiny_llama: Path) -> None:
+    """A mixed batch with chunked prefill (a small prefill budget), a small pool, stop
+    tokens and aborts: overlap scheduling changes none of the tokens. (Retraction with
+    and without overlap is driven step by step in tests/actors/scheduler/test_policy.py.)"""
+    prompts = _prompts(64, seed=3)[:8]
+    stops = list(range(100, 30000, 7))  # some requests stop early, with a step in flight
+
+    async def run(eng: Engine) -> list[list[int]]:
+        async def one(i: int, ids: list[int]) -> list[int]:
+            params = {**GREEDY, "max_new_tokens": 16, "stop_token_ids": stops if i % 3 == 1 else []}
+            if i % 4 == 3:  # aborted after a few tokens
+                got: list[int] = []
+                stream = eng.stream(ids, params)
+                async for delta in stream:
+                    got += delta.token_ids
+                    if len(got) >= 3:
+                        break
+                await stream.aclose()
+                return []
+            return (await eng.agenerate(ids, params)).token_ids
+
+        return list(await asyncio.gather(*(one(i, ids) for i, (ids, _) in enumerate(prompts))))
+
+    outs, stats = [], []
+    for disable in (True, False):
+        options = dict(num_pages=10, max_prefill_tokens=32, disable_overlap_schedule=disable)
+        with Engine(str(tiny_llama), **options) as eng:
+            outs.append(asyncio.run(run(eng)))
+            stats.append(eng.stats())
+    assert outs[0] == outs[1]
+    assert stats[1]["scheduler"]["zombies"] > 0  # the overlap run ended requests mid-flight
+    assert stats[1]["scheduler"]["running"] == 0
+
+
 def test_killed_worker_fails_in_flight_requests_promptly(tiny_llama: Path) -> None:
     with Engine(str(tiny_llama), kv_cache_gb=0.05) as eng:
         launcher = eng._launcher

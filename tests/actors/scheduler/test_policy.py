@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 from actorlm.actors.cache.kv_cache import KVCacheManager
-from actorlm.actors.scheduler.policy import BatchPlanner
+from actorlm.actors.scheduler.policy import PENDING, BatchPlanner
 from actorlm.config import SchedulerConfig
 from actorlm.messages.cache import Admitted, CacheStep, CacheStepResult
 from actorlm.messages.errors import ErrorCode
@@ -49,14 +50,20 @@ def apply(kv: KVCacheManager, step: CacheStep) -> CacheStepResult:
     return CacheStepResult(admitted=admitted, extended=extended, committed=committed)
 
 
-def model(batch: ForwardBatch, history: dict[str, list[int]]) -> StepResult:
+def model(batch: ForwardBatch, pool: dict[tuple[int, int], int]) -> StepResult:
+    """A stand-in for the model that reads what the KV pages hold: each input token is
+    written into its page slot, and the next token is a hash of every slot the sequence's
+    page table covers. A page that holds the wrong tokens (a stale prefix, a page written
+    by someone else) changes the output, as it would with a real model."""
     results = []
     for seq in batch.seqs:
-        known = history.setdefault(seq.rid, [])
-        del known[seq.start_pos :]
-        known.extend(seq.input_ids)
+        for i, token in enumerate(seq.input_ids):
+            pos = seq.start_pos + i
+            pool[(seq.page_ids[pos // PAGE], pos % PAGE)] = token
         if seq.sample:
-            results.append(SeqResult(seq.rid, hash(tuple(known)) % 1000 + 10))
+            end = seq.start_pos + len(seq.input_ids)
+            seen = tuple(pool.get((seq.page_ids[p // PAGE], p % PAGE)) for p in range(end))
+            results.append(SeqResult(seq.rid, hash(seen) % 1000 + 10))
     return StepResult(step_id=batch.step_id, results=results)
 
 
@@ -68,7 +75,7 @@ def request(rid: str, prompt: list[int], n: int) -> TokenizedRequest:
 def run(
     planner: BatchPlanner, kv: KVCacheManager, rng: random.Random, abort_p: float
 ) -> dict[str, list[int]]:
-    history: dict[str, list[int]] = {}
+    history: dict[tuple[int, int], int] = {}
     outputs: dict[str, list[int]] = {}
     ended: dict[str, str] = {}
 
@@ -97,7 +104,7 @@ def run(
             collect(planner.on_result(batch, model(batch, history)))
         kv.check_invariants()
     assert not planner.has_work(), "the planner did not drain"
-    return {rid: outputs.get(rid, []) for rid in ended if ended[rid] == "length"}
+    return {rid: outputs.get(rid, []) for rid in ended if ended[rid] in ("length", "stop")}
 
 
 def make(num_pages: int, max_running: int = 8) -> tuple[BatchPlanner, KVCacheManager]:
@@ -171,7 +178,7 @@ def test_requeued_requests_come_back_with_their_outputs() -> None:
     planner, kv = make(64)
     assert planner.add(request("a", [1, 2, 3, 4, 5], 6), "t") is None
     planner.apply_cache(apply(kv, planner.cache_ops()))
-    history: dict[str, list[int]] = {}
+    history: dict[tuple[int, int], int] = {}
     for step_id in range(3):
         batch = planner.build_batch(step_id)
         planner.on_result(batch, model(batch, history))
@@ -188,3 +195,132 @@ def test_requeued_requests_come_back_with_their_outputs() -> None:
     batch = planner.build_batch(10)
     (seq,) = batch.seqs
     assert seq.start_pos == 0 and seq.input_ids == before and seq.init is not None
+
+
+def _forward(
+    batch: ForwardBatch, history: dict[tuple[int, int], int], last: dict[str, int]
+) -> StepResult:
+    """The worker: fills in PENDING inputs with each sequence's last sampled token."""
+    for rid in batch.release:
+        last.pop(rid, None)
+    seqs = [
+        msgspec.structs.replace(
+            s, input_ids=[last[s.rid] if t == PENDING else t for t in s.input_ids]
+        )
+        for s in batch.seqs
+    ]
+    result = model(ForwardBatch(step_id=batch.step_id, seqs=seqs), history)
+    last.update((r.rid, r.token_id) for r in result.results)
+    return result
+
+
+def run_pipelined(
+    planner: BatchPlanner, kv: KVCacheManager, rng: random.Random, abort_p: float
+) -> dict[str, list[int]]:
+    """As the scheduler runs with overlap: step N+1 is planned and sent (the worker runs
+    steps in order) before step N's result is taken; aborts land anywhere in between."""
+    history: dict[tuple[int, int], int] = {}
+    last: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {}
+    ended: dict[str, str] = {}
+    flight: list[tuple[ForwardBatch, StepResult]] = []
+
+    def collect(deltas: list[TokenDelta]) -> None:
+        for d in deltas:
+            assert d.rid not in ended, f"{d.rid} got a delta after it ended"
+            outputs.setdefault(d.rid, []).extend(d.token_ids)
+            if d.finish_reason:
+                ended[d.rid] = d.finish_reason
+
+    def maybe_abort() -> None:
+        live = list(planner.waiting) + list(planner.running)
+        if live and rng.random() < abort_p:
+            planner.abort(rng.choice(live))
+
+    for step_id in range(10_000):
+        collect(planner.take_deltas())
+        if not flight and not planner.has_work():
+            break
+        ops = planner.cache_ops()
+        maybe_abort()
+        if ops is not None:
+            planner.apply_cache(apply(kv, ops))
+        batch = planner.build_batch(step_id)
+        if batch.seqs:
+            flight.append((batch, _forward(batch, history, last)))
+        if flight and (len(flight) == 2 or not batch.seqs):
+            done, result = flight.pop(0)
+            maybe_abort()
+            collect(planner.on_result(done, result))
+        kv.check_invariants()
+    assert not planner.has_work() and planner.in_flight == 0, "the planner did not drain"
+    ops = planner.cache_ops()
+    if ops is not None:
+        planner.apply_cache(apply(kv, ops))
+    assert kv.num_private_pages == 0 and len(kv._requests) == 0  # every page came back
+    return {rid: outputs.get(rid, []) for rid in ended if ended[rid] in ("length", "stop")}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_pages=st.integers(24, 64),
+    abort_p=st.sampled_from([0.0, 0.1]),
+)
+def test_overlap_gives_the_same_tokens(seed: int, num_pages: int, abort_p: float) -> None:
+    """Chunked prefill, stop tokens (zombies), retraction under a small pool and aborts:
+    every request that completes gets the tokens it gets without overlap."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1000) for _ in range(10)]
+    reqs = []
+    for i in range(10):
+        prompt = shared[: rng.randint(0, 10)] + [
+            rng.randrange(1000) for _ in range(rng.randint(1, 30))
+        ]
+        sp = SamplingParams(
+            max_new_tokens=rng.randint(1, 16),
+            temperature=0.0,
+            ignore_eos=True,
+            stop_token_ids=list(range(10, 10 + rng.choice([0, 60]))),  # some stop early
+        )
+        reqs.append(TokenizedRequest(rid=f"r{i}", input_ids=prompt, sampling=sp))
+    outs = []
+    for pipelined in (False, True):
+        planner, kv = make(num_pages)
+        for req in reqs:
+            assert planner.add(req, "t") is None
+        runner = run_pipelined if pipelined else run
+        outs.append(runner(planner, kv, random.Random(seed + 1), abort_p))
+    plain, overlapped = outs
+    both = set(plain) & set(overlapped)
+    assert {rid: plain[rid] for rid in both} == {rid: overlapped[rid] for rid in both}
+    if abort_p == 0:
+        assert set(plain) == set(overlapped) == {r.rid for r in reqs}
+
+
+def test_overlap_takes_the_zombie_and_deferred_retraction_paths() -> None:
+    """A fixed run that must leave zombies (stop tokens with a step in flight) and retract
+    under a tight pool, with the same tokens as without overlap."""
+    rng = random.Random(5)
+    reqs = [
+        TokenizedRequest(
+            rid=f"r{i}",
+            input_ids=[rng.randrange(1000) for _ in range(rng.randint(5, 20))],
+            sampling=SamplingParams(
+                max_new_tokens=16,
+                temperature=0.0,
+                ignore_eos=True,
+                stop_token_ids=list(range(10, 110)),
+            ),
+        )
+        for i in range(10)
+    ]
+    outs, planners = [], []
+    for runner in (run, run_pipelined):
+        planner, kv = make(14)
+        for req in reqs:
+            planner.add(req, "t")
+        outs.append(runner(planner, kv, random.Random(0), 0.0))
+        planners.append(planner)
+    assert outs[0] == outs[1] and len(outs[0]) == 10
+    assert planners[1].stats["zombies"] > 0 and planners[1].stats["retractions"] > 0
