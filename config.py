@@ -72,6 +72,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str = ""
+    admin_api_key: str = ""  # if set, control routes (abort, flush, adapters) need this key
     max_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 128  # the most choices one request may ask for (n times its prompts)
     trust_request_chat_template: bool = False  # let requests bring their own jinja template

@@ -18,7 +18,7 @@ from .errors import ApiError, error_response
 from .metrics import CONTENT_TYPE_LATEST
 from .state import STATE, GatewayState
 
-__all__ = ["OPEN_PATHS", "build_app"]
+__all__ = ["CONTROL_PATHS", "OPEN_PATHS", "build_app"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Probes and scrapers carry no key (as with vLLM and SGLang).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+# Routes that change the server's state: with --admin-api-key they need that key instead.
+CONTROL_PATHS = frozenset(
+    {
+        "/abort_request",
+        "/flush_cache",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
+)
 
 
 def _route_label(request: web.Request) -> str:
@@ -82,15 +93,19 @@ def _bearer(request: web.Request) -> str:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key = request.app[STATE].config.server.api_key
+    server = request.app[STATE].config.server
+    key, admin = server.api_key, server.admin_api_key
+    if request.path in CONTROL_PATHS and admin:
+        key = admin  # the operator's key, not the clients'
     if (
         key
         and request.path not in OPEN_PATHS
         and not hmac.compare_digest(_bearer(request).encode(), key.encode())
     ):
+        what = "admin API key" if key is admin and admin else "API key"
         raise ApiError(
             401,
-            "invalid or missing API key; send 'Authorization: Bearer <key>'",
+            f"invalid or missing {what}; send 'Authorization: Bearer <key>'",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )

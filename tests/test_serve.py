@@ -117,6 +117,8 @@ def test_a_killed_process_comes_back_by_itself(served: Served, role: str) -> Non
     while (stats := served.cache_stats())["running_requests"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stats["consistent"] and stats["running_requests"] == 0 and stats["pages_private"] == 0
+    status, flushed = http(f"{served.url}/flush_cache", {})
+    assert status == 200, flushed  # no page is left owned by a request that died
     if role != "gateway":  # a new gateway has not seen the death
         status, metrics = get_text(f"{served.url}/metrics")
         assert status == 200 and f'actorlm_actor_restarts_total{{role="{role}"}}' in metrics
