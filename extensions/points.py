@@ -6,14 +6,26 @@ Import the registry you extend from here::
     EVICTION_POLICIES.register("my-policy", MyPolicy)
 
 Built-ins register themselves in the module that defines them (or lazily by
-dotted path), through this same API.
+dotted path), through this same API. Each registry names the interface its entries
+implement; a plugin's entry that does not is refused when it is registered.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .registry import Registry, get_registry
+
+if TYPE_CHECKING:  # the interfaces, for type checkers; at run time they load by path
+    from torch import nn
+
+    from ..actors.cache.eviction import EvictionStrategy
+    from ..actors.cache.hicache import HiCacheStorage
+    from ..gpu.attention.base import AttentionBackend
+    from ..gpu.loaders.base import WeightLoader
+    from ..gpu.logit_processors import LogitProcessor
+    from ..gpu.platforms import Platform
+    from ..gpu.quantization import LinearMethod
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -29,26 +41,46 @@ __all__ = [
     "load_builtins",
 ]
 
-MODELS: Registry[Any] = get_registry("model architecture", "config.json architectures")
-ATTENTION_BACKENDS: Registry[Any] = get_registry("attention backend", "--attention-backend")
-WEIGHT_LOADERS: Registry[Any] = get_registry("weight loader", "--load-format")
+MODELS: Registry[type[nn.Module]] = get_registry(
+    "model architecture", "config.json architectures", interface="torch.nn:Module"
+)
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = get_registry(
+    "attention backend",
+    "--attention-backend",
+    interface="actorlm.gpu.attention.base:AttentionBackend",
+)
+WEIGHT_LOADERS: Registry[type[WeightLoader]] = get_registry(
+    "weight loader", "--load-format", interface="actorlm.gpu.loaders.base:WeightLoader"
+)
 # Declared for plugins to fill, but no part of the engine reads them yet: no flag selects
 # from them until structured output and the LoRA loader land.
 GRAMMAR_BACKENDS: Registry[Any] = get_registry(
     "grammar backend", unused="structured output is not built yet"
 )
-EVICTION_POLICIES: Registry[Any] = get_registry("KV eviction policy", "--eviction-policy")
-HICACHE_STORAGE: Registry[Any] = get_registry(
-    "HiCache storage backend", "--hicache-storage-backend"
+EVICTION_POLICIES: Registry[type[EvictionStrategy]] = get_registry(
+    "KV eviction policy",
+    "--eviction-policy",
+    interface="actorlm.actors.cache.eviction:EvictionStrategy",
+)
+HICACHE_STORAGE: Registry[type[HiCacheStorage]] = get_registry(
+    "HiCache storage backend",
+    "--hicache-storage-backend",
+    interface="actorlm.actors.cache.hicache:HiCacheStorage",
 )
 LORA_EVICTION_POLICIES: Registry[Any] = get_registry(
     "LoRA eviction policy", unused="the LoRA loader is not built yet"
 )
-LOGIT_PROCESSORS: Registry[Any] = get_registry(
-    "logit processor", "sampling_params.logit_processors"
+LOGIT_PROCESSORS: Registry[type[LogitProcessor]] = get_registry(
+    "logit processor",
+    "sampling_params.logit_processors",
+    interface="actorlm.gpu.logit_processors:LogitProcessor",
 )
-PLATFORMS: Registry[Any] = get_registry("platform", "ACTORLM_PLATFORM")
-QUANTIZATION_METHODS: Registry[Any] = get_registry("quantization method", "--quantization")
+PLATFORMS: Registry[type[Platform]] = get_registry(
+    "platform", "ACTORLM_PLATFORM", interface="actorlm.gpu.platforms:Platform"
+)
+QUANTIZATION_METHODS: Registry[type[LinearMethod]] = get_registry(
+    "quantization method", "--quantization", interface="actorlm.gpu.quantization:LinearMethod"
+)
 
 # Modules whose import registers the built-in entries of the registries above.
 BUILTIN_MODULES = (

@@ -7,17 +7,26 @@ plugin's name) so ``actorlm plugins`` can show it.
 Entries may be given lazily as a dotted path ``"pkg.module:attr"``; the object
 is imported on first ``get``. That keeps GPU-only code (flashinfer, triton)
 out of CPU processes until someone actually asks for it.
+
+Each registry names the interface its entries implement (an ABC or a class whose
+public methods are the contract, by dotted path so extensions/ imports nothing of
+the engine). A plugin's entry is checked when it is registered (or, given lazily,
+when it is loaded): a class that is not one, lacks a member, or takes other
+arguments is refused with an ``EntryTypeError`` naming the plugin, the entry and the
+member, at start-up rather than mid-request.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 __all__ = [
+    "EntryTypeError",
     "Registry",
     "RegistryEntry",
     "UnknownNameError",
@@ -31,6 +40,58 @@ T = TypeVar("T")
 
 # The plugin whose register() is running; entries and hooks record it as their source.
 current_source: ContextVar[str] = ContextVar("actorlm_plugin_source", default="builtin")
+
+
+class EntryTypeError(TypeError, ValueError):
+    """A registered entry does not implement its registry's interface."""
+
+
+def _positional(fn: Any) -> int:
+    """How many positional parameters ``fn`` takes (``self`` included); -1: any number."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return -1
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return -1
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _required(interface: type) -> list[str]:
+    """The members an entry must have: the abstract ones, or for a plain class every
+    public method it defines."""
+    abstract = sorted(getattr(interface, "__abstractmethods__", ()))
+    if abstract:
+        return abstract
+    return sorted(
+        name
+        for name, value in vars(interface).items()
+        if not name.startswith("_") and callable(value)
+    )
+
+
+def conformance_problem(obj: Any, interface: type) -> str:
+    """Why ``obj`` does not implement ``interface`` ("" if it does)."""
+    name = interface.__qualname__
+    if not isinstance(obj, type):
+        return f"must be a class implementing {name}, got {type(obj).__name__} {obj!r:.60}"
+    if issubclass(obj, interface):
+        missing = sorted(getattr(obj, "__abstractmethods__", ()))
+        return f"does not implement {name}.{missing[0]}" if missing else ""
+    for member in _required(interface):
+        want = getattr(interface, member)
+        got = getattr(obj, member, None)
+        if got is None:
+            return f"has no {member} (an implementation of {name} needs one)"
+        if not callable(got):
+            return f"its {member} is {type(got).__name__}, not a method as {name}.{member} is"
+        need, takes = _positional(want), _positional(got)
+        if need >= 0 and takes >= 0 and takes != need:
+            return (
+                f"its {member} takes {takes} positional parameter(s) where "
+                f"{name}.{member}{inspect.signature(want)} takes {need}"
+            )
+    return ""
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -59,21 +120,33 @@ class RegistryEntry(Generic[T]):
     source: str
     help: str = ""
 
-    def load(self) -> T:
+    def load(self, registry: Registry[T] | None = None) -> T:
         if isinstance(self.target, str):
-            self.target = import_object(self.target)
+            obj = import_object(self.target)
+            if registry is not None and self.source != "builtin":
+                registry.check(self.name, obj, self.source)
+            self.target = obj
         return cast(T, self.target)
 
 
 class Registry(Generic[T]):
     """Name → implementation for one extension point (``kind``), selectable by ``flag``."""
 
-    def __init__(self, kind: str, flag: str = "", *, unused: str = "") -> None:
+    def __init__(self, kind: str, flag: str = "", *, unused: str = "", interface: str = "") -> None:
         self.kind = kind
         self.flag = flag
         # Why nothing consults this registry yet (its feature is not built); "" = in use.
         self.unused = unused
+        self.interface = interface  # "module:Class" every entry implements ("" = unchecked)
         self._entries: dict[str, RegistryEntry[T]] = {}
+
+    def check(self, name: str, obj: Any, source: str) -> None:
+        """Raise EntryTypeError unless ``obj`` implements this registry's interface."""
+        if not self.interface:
+            return
+        problem = conformance_problem(obj, import_object(self.interface))
+        if problem:
+            raise EntryTypeError(f"{self.kind} {name!r} registered by {source}: {problem}")
 
     def register(
         self, name: str, target: T | str | None = None, *, help: str = "", source: str | None = None
@@ -90,7 +163,10 @@ class Registry(Generic[T]):
                 return obj
 
             return decorator
-        self._entries[name] = RegistryEntry(name, target, source or current_source.get(), help)
+        origin = source or current_source.get()
+        if not isinstance(target, str) and origin != "builtin":
+            self.check(name, target, origin)  # a plugin's entry: refused now, not mid-request
+        self._entries[name] = RegistryEntry(name, target, origin, help)
         return target
 
     def register_builtin(self, name: str, target: T | str, *, help: str = "") -> None:
@@ -105,7 +181,7 @@ class Registry(Generic[T]):
             known = ", ".join(sorted(self._entries)) or "none"
             flag = f" (flag {self.flag})" if self.flag else ""
             raise UnknownNameError(f"unknown {self.kind} {name!r}{flag}; known: {known}")
-        return entry.load()
+        return entry.load(self)
 
     def unregister(self, name: str) -> None:
         self._entries.pop(name, None)
@@ -127,7 +203,9 @@ class Registry(Generic[T]):
 _REGISTRIES: dict[str, Registry[Any]] = {}
 
 
-def get_registry(kind: str, flag: str = "", *, unused: str = "") -> Registry[Any]:
+def get_registry(
+    kind: str, flag: str = "", *, unused: str = "", interface: str = ""
+) -> Registry[Any]:
     """The process-wide registry for ``kind``, created on first use.
 
     Registries are the one piece of process state by design: plugins fill them in
@@ -135,7 +213,9 @@ def get_registry(kind: str, flag: str = "", *, unused: str = "") -> Registry[Any
     """
     reg = _REGISTRIES.get(kind)
     if reg is None:
-        reg = _REGISTRIES[kind] = Registry(kind, flag, unused=unused)
+        reg = _REGISTRIES[kind] = Registry(kind, flag, unused=unused, interface=interface)
+    elif interface and not reg.interface:
+        reg.interface = interface
     elif flag and not reg.flag:
         reg.flag = flag
     return reg

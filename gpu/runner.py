@@ -103,7 +103,14 @@ class ModelRunner:
             self.sampler.release(rid)
             self._last.pop(rid, None)
         errors: list[SeqError] = []
-        seqs = [self._resolve(s) for s in batch.seqs]
+        for s in batch.seqs:  # a step sent while the one before failed this sequence
+            if PENDING_TOKEN in s.input_ids and s.rid not in self._last:
+                errors.append(SeqError(s.rid, "its previous step failed"))
+        seqs = [
+            self._resolve(s)
+            for s in batch.seqs
+            if not errors or s.rid not in {e.rid for e in errors}
+        ]
         for s in batch.seqs:
             if s.init is not None:
                 try:

@@ -41,11 +41,20 @@ def module_name(path: Path) -> str:
 
 
 def imports(source: str, module: str, is_package: bool) -> set[str]:
-    """Every module ``source`` imports, as absolute names (``from x import y`` gives
-    both ``x`` and ``x.y``, since ``y`` may be a module)."""
+    """Every module ``source`` imports at run time, as absolute names (``from x import y``
+    gives both ``x`` and ``x.y``, since ``y`` may be a module)."""
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    typing_only = {  # `if TYPE_CHECKING:` blocks: names for type checkers, no run-time coupling
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

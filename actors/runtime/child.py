@@ -21,7 +21,9 @@ __all__ = ["ACTOR_ROLES", "ChildSpec", "build_actor", "child_main", "run_actor"]
 
 log = logging.getLogger(__name__)
 
-ACTOR_ROLES: Registry[type[Actor]] = get_registry("actor role", "actorlm actor ROLE")
+ACTOR_ROLES: Registry[type[Actor]] = get_registry(
+    "actor role", "actorlm actor ROLE", interface="actorlm.actors.runtime.actor:Actor"
+)
 
 
 def build_actor(spec: str, config: EngineConfig) -> Actor:

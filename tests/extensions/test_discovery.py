@@ -122,8 +122,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
                 def register():
+                    from actorlm.actors.cache.eviction import LRUStrategy
+
                     mark("alpha.registered")
-                    EVICTION_POLICIES.register("alpha-lru", object)
+                    EVICTION_POLICIES.register("alpha-lru", type("AlphaLRU", (LRUStrategy,), {}))
                     plugin_hook(
                         "actorlm.gpu.platforms.CpuPlatform.default_attention_backend",
                         type=HookType.AFTER,
