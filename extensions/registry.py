@@ -57,28 +57,20 @@ def _positional(fn: Any) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-def _required(interface: type) -> list[str]:
-    """The members an entry must have: the abstract ones, or for a plain class every
-    public method it defines."""
-    abstract = sorted(getattr(interface, "__abstractmethods__", ()))
-    if abstract:
-        return abstract
-    return sorted(
-        name
-        for name, value in vars(interface).items()
-        if not name.startswith("_") and callable(value)
-    )
-
-
 def conformance_problem(obj: Any, interface: type) -> str:
-    """Why ``obj`` does not implement ``interface`` ("" if it does)."""
+    """Why ``obj`` does not implement ``interface`` ("" if it does). An ABC's abstract
+    members are its contract, which a class may meet without subclassing it; any other
+    interface (a concrete base such as ``Platform``) must be subclassed."""
     name = interface.__qualname__
     if not isinstance(obj, type):
         return f"must be a class implementing {name}, got {type(obj).__name__} {obj!r:.60}"
+    abstract = sorted(getattr(interface, "__abstractmethods__", ()))
     if issubclass(obj, interface):
         missing = sorted(getattr(obj, "__abstractmethods__", ()))
         return f"does not implement {name}.{missing[0]}" if missing else ""
-    for member in _required(interface):
+    if not abstract:
+        return f"must subclass {interface.__module__}.{name}"
+    for member in abstract:
         want = getattr(interface, member)
         got = getattr(obj, member, None)
         if got is None:
