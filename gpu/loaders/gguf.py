@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from ..gguf_file import GGUFFile
-from ..model_info import ModelInfo, gguf_model_info
+from ..gguf_info import gguf_model_info
+from ..model_info import ModelInfo
 from .base import WeightLoader
 
 __all__ = ["GGUFLoader", "gguf_tensor_name"]
