@@ -87,8 +87,6 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         raise FileNotFoundError(f"model not found: {path}")
     info = load_model_info(path)
     max_len = m.max_model_len or info.max_model_len
-    if info.sliding_window:
-        max_len = min(max_len, info.sliding_window)
     num_pages = m.num_pages or kv_pages_for_budget(
         info, m.kv_cache_gb * 2**30, m.page_size, m.dtype
     )

@@ -37,12 +37,6 @@ class ModelRunner:
         loader = make_loader(cfg)
         info = loader.model_info()
         max_len = cfg.max_model_len or info.max_model_len
-        if info.sliding_window and max_len > info.sliding_window:
-            # Attention here is full, not windowed: within the window both agree.
-            log.info(
-                "capping max_model_len %d to the sliding window %d", max_len, info.sliding_window
-            )
-            max_len = info.sliding_window
         method = QUANTIZATION_METHODS.get(cfg.quantization or "none")()
         method.check(self.device, self.dtype)
         self.model, _ = load_model(cfg, max_model_len=max_len, loader=loader)
@@ -71,7 +65,20 @@ class ModelRunner:
             cfg.attention_backend or current_platform().default_attention_backend()
         )
         backend_cls = ATTENTION_BACKENDS.get(self.attention_backend)
-        self.backend = backend_cls(self.pool, info.num_heads, info.head_dim)
+        # The model's attention layout: softmax scale, per-layer windows, logit soft cap.
+        self.layer_windows = list(getattr(self.model, "layer_windows", []))
+        self.softcap = float(getattr(self.model, "attention_softcap", 0.0))
+        for needed, supported, what in (
+            (any(self.layer_windows), backend_cls.supports_sliding_window, "sliding-window"),
+            (self.softcap, backend_cls.supports_logit_softcap, "soft-capped"),
+        ):
+            if needed and not supported:
+                raise ValueError(
+                    f"{info.architecture} needs {what} attention, which attention backend "
+                    f"{self.attention_backend!r} does not implement; use --attention-backend torch"
+                )
+        scale = getattr(self.model, "attention_scale", None)
+        self.backend = backend_cls(self.pool, info.num_heads, info.head_dim, scale=scale)
         self.info: ModelInfo = msgspec.structs.replace(
             info,
             max_model_len=max_len,
@@ -82,16 +89,19 @@ class ModelRunner:
         from .sampling import Sampler
 
         self.sampler = Sampler(info.vocab_size, self.device)
+        self._prompt_lens: dict[str, int] = {}  # rid → prompt length, while it runs
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
         t0 = time.perf_counter()
         for rid in batch.release:
             self.sampler.release(rid)
+            self._prompt_lens.pop(rid, None)
         errors: list[SeqError] = []
         seqs = batch.seqs
         for s in batch.seqs:
             if s.init is not None:
+                self._prompt_lens[s.rid] = s.init.prompt_len
                 try:
                     self.sampler.add(s.rid, s.init)  # builds its logit processors
                 except ValueError as exc:
@@ -114,7 +124,14 @@ class ModelRunner:
 
     def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""
-        return self.run([SeqSpec(s.input_ids, s.start_pos, s.page_ids, s.sample) for s in seqs])
+        return self.run(
+            [
+                SeqSpec(
+                    s.input_ids, s.start_pos, s.page_ids, s.sample, self._prompt_lens.get(s.rid, 0)
+                )
+                for s in seqs
+            ]
+        )
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSpec]) -> torch.Tensor:
@@ -127,6 +144,8 @@ class ModelRunner:
                 raise ValueError(
                     f"page id {max(s.page_ids)} out of range (pool has {self.pool.num_pages})"
                 )
-        meta = ForwardMeta.build(seqs, self.pool.page_size, self.device)
+        meta = ForwardMeta.build(
+            seqs, self.pool.page_size, self.device, self.layer_windows, self.softcap
+        )
         self.backend.init_forward_metadata(meta)
         return self.model(meta, self.backend)

@@ -6,8 +6,10 @@ GGUF loader restores by undoing llama.cpp's interleaving permutation. ``dim`` is
 the rotated part of a head (all of it unless a family rotates a fraction).
 
 YaRN and LongRoPE also scale cos and sin by an attention factor. LongRoPE keeps
-two tables: a sequence whose end (as of this step) lies past the original context
-reads the long factors, as transformers decides per forward call.
+two tables: a sequence whose end (as of this step, or its whole prompt's while it
+is prefilled in chunks) lies past the original context reads the long factors, as
+transformers decides per forward call. (KV computed for a shorter sequence keeps
+its short-factor rotation, in transformers' cache as in ours.)
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class Rope:
             self._tables = self._table(positions.device)
         cos, sin = self._tables
         if self.long_inv is not None:
-            ends = [s + n for s, n in zip(meta.start_pos, meta.extend_lens, strict=True)]
+            ends = meta.seq_lens  # each sequence's length, its whole prompt's while chunked
             if max(ends, default=0) > self.long_from:
                 long = torch.tensor([e > self.long_from for e in ends], device=positions.device)
                 lens = torch.tensor(meta.extend_lens, device=positions.device)
