@@ -76,9 +76,8 @@ def gguf_model_info(path: Path, gguf_file: Any = None) -> ModelInfo:
     heads = int(meta("attention.head_count"))
     layers = int(meta("block_count"))
     head_dim = int(meta("attention.key_length", hidden // heads))
-    vocab = meta("vocab_size")
-    if vocab is None:
-        vocab = len(f.get("tokenizer.ggml.tokens"))
+    # the embedding's rows (llama.cpp may trim a padded vocabulary to the tokenizer's)
+    vocab = f.tensors["token_embd.weight"].shape[0]
     ctx = int(meta("context_length", 2048))
     bos = f.get("tokenizer.ggml.bos_token_id")
     experts = int(meta("expert_count", 0))
