@@ -119,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
     prepare_process(config, "gateway")
     try:
         config = resolve_config(config)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # no model there, or none we can run
         print(f"actorlm: {exc}", file=sys.stderr)
         return 2
     serve(config, deploy=args.deploy)

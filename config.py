@@ -24,6 +24,9 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     path: str = ""  # HF folder or .gguf file; "" = the embedded default model
     load_format: str = "auto"  # auto | safetensors | layered | gguf | a plugin's name
+    # native: a registered model; transformers: the fallback (any decoder-only HF model,
+    # attention on actorlm's backends); auto: native where registered, else the fallback
+    model_impl: str = "auto"
     dtype: str = "float32"
     device: str = ""  # "" = the active platform's device
     attention_backend: str = ""  # "" = the platform's default

@@ -86,6 +86,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if not Path(path).exists():
         raise FileNotFoundError(f"model not found: {path}")
     info = load_model_info(path)
+    from .gpu.models import resolve_model_impl
+
+    resolve_model_impl(info.architecture, m.model_impl)  # an unknown one fails here, in one line
     max_len = m.max_model_len or info.max_model_len
     num_pages = m.num_pages or kv_pages_for_budget(
         info, m.kv_cache_gb * 2**30, m.page_size, m.dtype

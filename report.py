@@ -41,6 +41,9 @@ def print_plugins(out: TextIO) -> None:
         print(f"  {reg.kind}{flag}:{unused}", file=out)
         for entry in reg:
             print(f"    {entry.name:<28} [{entry.source}]", file=out)
+        if reg.kind == "model architecture":
+            fallback = "[transformers fallback: --model-impl auto|transformers]"
+            print(f"    {'(any other decoder)':<28} {fallback}", file=out)
     print("Hooks:", file=out)
     hooks = HookRegistry.hooks()
     for h in hooks:

@@ -221,7 +221,11 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides:
     import transformers
 
     config_cls, model_cls = _ARCH[arch]
-    config = getattr(transformers, config_cls)(**_tiny_params(**overrides))
+    params = _tiny_params(**overrides)
+    if arch == "gpt_neox":  # multi-head attention, GELU: no KV-head count, no SiLU
+        del params["num_key_value_heads"]
+        params.setdefault("hidden_act", "gelu")
+    config = getattr(transformers, config_cls)(**params)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
     model.save_pretrained(str(out), safe_serialization=True)

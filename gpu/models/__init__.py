@@ -6,7 +6,7 @@ Any architecture not registered here runs through the transformers fallback
 
 from actorlm.extensions.points import MODELS
 
-__all__ = ["NATIVE_ARCHITECTURES"]
+__all__ = ["MODEL_IMPLS", "NATIVE_ARCHITECTURES", "resolve_model_impl"]
 
 # HF architecture → (module:class, the family it belongs to)
 NATIVE_ARCHITECTURES = {
@@ -23,3 +23,20 @@ NATIVE_ARCHITECTURES = {
 
 for _arch, (_target, _family) in NATIVE_ARCHITECTURES.items():
     MODELS.register_builtin(_arch, f"actorlm.gpu.models.{_target}", help=f"native: {_family}")
+
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def resolve_model_impl(architecture: str, impl: str = "auto") -> str:
+    """``native`` or ``transformers`` for ``architecture`` under ``--model-impl impl``
+    (a plugin's registration counts as native)."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"unknown --model-impl {impl!r}; known: {', '.join(MODEL_IMPLS)}")
+    if impl == "auto":
+        return "native" if architecture in MODELS else "transformers"
+    if impl == "native" and architecture not in MODELS:
+        raise ValueError(
+            f"model architecture {architecture!r} has no native implementation (registered: "
+            f"{', '.join(MODELS.names())}); run it with --model-impl transformers (or auto)"
+        )
+    return impl
