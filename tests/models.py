@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "CACHE_DIR",
+    "EXAMPLE_FAMILIES",
     "FAMILIES",
     "Family",
     "build_family_model",
@@ -171,6 +172,25 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Not native: the plugin guide's example of a model built from actorlm's MoE layer.
+EXAMPLE_FAMILIES: dict[str, Family] = {
+    "qwen2_moe": Family(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            qkv_bias=True,
+            tie_word_embeddings=False,
+        ),
+        QWEN3_TEMPLATE,
+        stops=("<|endoftext|>",),
+    ),
+}
+
+
 def default_gguf_path() -> Path:
     from actorlm.gpu.default_model import default_model_path
 
@@ -242,7 +262,7 @@ def build_family_model(out: Path, name: str, seed: int = 0, **overrides: Any) ->
     import transformers
     from transformers import AutoTokenizer
 
-    fam = FAMILIES[name]
+    fam = {**FAMILIES, **EXAMPLE_FAMILIES}[name]
     tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
     tok.add_special_tokens({"additional_special_tokens": list(fam.tokens)})
     tok.bos_token, tok.eos_token = fam.bos, fam.eos
@@ -265,6 +285,8 @@ def build_family_model(out: Path, name: str, seed: int = 0, **overrides: Any) ->
                 p.normal_(fam.norm_offset, 0.2)
             elif n.endswith(("gate.weight", "router.weight")) and p.dim() == 2:
                 p.normal_(0.0, 0.5)  # distinct expert scores: no top-k ties
+            elif n.endswith("proj.bias"):
+                p.normal_(0.0, 0.5)  # zero at init: a bias ignored would go unseen
     model.generation_config.eos_token_id = stops
     model.generation_config.bos_token_id = ids(fam.bos)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -31,6 +31,11 @@ def register() -> None:
         f"{_PKG}.model:ExampleLlamaForCausalLM",
         help="the built-in Llama under a new architecture name",
     )
+    MODELS.register(
+        "Qwen2MoeForCausalLM",
+        f"{_PKG}.moe:Qwen2MoeForCausalLM",
+        help="Qwen2-MoE, from actorlm's MoE layer",
+    )
     ATTENTION_BACKENDS.register(
         "example_counting",
         f"{_PKG}.attention:CountingTorchBackend",
