@@ -189,7 +189,7 @@ def hf_model_info(folder: Path) -> ModelInfo:
     cfg = json.loads((folder / "config.json").read_text())
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     if isinstance(cfg.get("text_config"), dict):  # a multimodal wrapper: its language model
-        cfg = {**cfg["text_config"], "architectures": archs}
+        cfg = {**cfg, **cfg["text_config"], "architectures": archs}
     heads = int(_first(cfg, "num_attention_heads", "n_head", "num_heads"))
     hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
     layers = int(_first(cfg, "num_hidden_layers", "n_layer", "num_layers"))

@@ -255,9 +255,13 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides:
     return out
 
 
-def build_family_model(out: Path, name: str, seed: int = 0, **overrides: Any) -> Path:
+def build_family_model(
+    out: Path, name: str, seed: int = 0, multimodal: bool = False, **overrides: Any
+) -> Path:
     """``FAMILIES[name]`` as an HF folder at ``out``: random weights (norms and routers
-    too, which transformers initializes to constants), its tokenizer and template."""
+    too, which transformers initializes to constants), its tokenizer and template.
+    ``multimodal`` (Gemma 3): the checkpoint of the 4B and larger models, the text
+    model inside ``Gemma3ForConditionalGeneration`` beside a (tiny) vision tower."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -277,8 +281,21 @@ def build_family_model(out: Path, name: str, seed: int = 0, **overrides: Any) ->
     )
     params.update(overrides)
     config = getattr(transformers, fam.config)(**params)
+    model_cls = fam.model
+    if multimodal:
+        vision = dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14,
+        )  # fmt: skip
+        image_ids = len(tok), len(tok) + 1, len(tok) + 2  # in the padded vocabulary
+        config = transformers.Gemma3Config(
+            text_config=config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+            boi_token_index=image_ids[0], eoi_token_index=image_ids[1],
+            image_token_index=image_ids[2],
+        )  # fmt: skip
+        model_cls = "Gemma3ForConditionalGeneration"
     torch.manual_seed(seed)
-    model = getattr(transformers, fam.model)(config).to(torch.float32).eval()
+    model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):

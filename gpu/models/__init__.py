@@ -19,6 +19,10 @@ NATIVE_ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral:MixtralForCausalLM", "Mixtral (SparseMoE top-2)"),
     "Gemma2ForCausalLM": ("gemma:Gemma2ForCausalLM", "Gemma 2 (soft caps, windows)"),
     "Gemma3ForCausalLM": ("gemma:Gemma3ForCausalLM", "Gemma 3 text (windows, local RoPE)"),
+    "Gemma3ForConditionalGeneration": (
+        "gemma:Gemma3ForConditionalGeneration",
+        "Gemma 3 4B+ checkpoints, the text model",
+    ),
 }
 
 for _arch, (_target, _family) in NATIVE_ARCHITECTURES.items():

@@ -10,6 +10,7 @@ and k per head, and its windowed layers use their own RoPE base.
 
 from __future__ import annotations
 
+import msgspec
 import torch
 from torch import nn
 
@@ -20,7 +21,7 @@ from .base import CausalLM
 from .layers import Attention, GatedMLP, GemmaRMSNorm
 from .rope import Rope
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"]
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -59,8 +60,6 @@ class Gemma2ForCausalLM(CausalLM):
 
     def __init__(self, info: ModelInfo, max_model_len: int | None = None) -> None:
         if info.hidden_act == "gelu":
-            import msgspec
-
             info = msgspec.structs.replace(info, hidden_act="gelu_pytorch_tanh")
         super().__init__(info, max_model_len)
         self.embed_scale = info.hidden_size**0.5
@@ -93,3 +92,20 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def rope_of(self, layer: int) -> int:
         return 1 if self.info.window(layer) else 0
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint (4B and up), text only:
+    its tensors sit under ``language_model`` and the vision tower's are skipped."""
+
+    def rename(self, name: str) -> str | None:
+        if "vision_tower" in name or "multi_modal_projector" in name:
+            return None
+        for prefix, ours in (
+            ("model.language_model.", "model."),  # transformers 5
+            ("language_model.model.", "model."),  # 4.x checkpoints
+            ("language_model.lm_head.", "lm_head."),
+        ):
+            if name.startswith(prefix):
+                return ours + name[len(prefix) :]
+        return name

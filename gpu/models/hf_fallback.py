@@ -78,6 +78,7 @@ class TransformersCausalLM(nn.Module):
         self, path: Path, info: ModelInfo, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
+        import transformers
         from transformers import AttentionInterface, AutoModelForCausalLM
 
         AttentionInterface.register(ATTENTION_NAME, paged_attention)
@@ -95,12 +96,15 @@ class TransformersCausalLM(nn.Module):
         self.attention_scale: float | None = None  # head_dim ** -0.5; layers rescale q
         self.attention_softcap = float(info.attn_logit_softcapping or 0.0)
         self.layer_windows = [info.window(i) for i in range(info.num_layers)]
+        from actorlm.extensions.points import MODELS
+
         log.warning(
-            "model %s: architecture %s is not native, running the transformers fallback "
-            "(transformers %s with actorlm's paged attention; slower than a native model)",
+            "model %s (%s): running the transformers fallback (%s; transformers %s with "
+            "actorlm's paged attention, slower than a native model)",
             path,
             info.architecture,
-            __import__("transformers").__version__,
+            "chosen by --model-impl" if info.architecture in MODELS else "no native model",
+            transformers.__version__,
         )
 
     def _check_geometry(self, info: ModelInfo) -> None:

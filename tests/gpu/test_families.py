@@ -25,7 +25,7 @@ from .helpers import (
 )
 
 
-@pytest.fixture(scope="module", params=[*FAMILIES, "mistral-window"])
+@pytest.fixture(scope="module", params=[*FAMILIES, "mistral-window", "gemma3-multimodal"])
 def family(
     request: pytest.FixtureRequest,
     family_model_factory: Callable[..., Path],
@@ -34,6 +34,8 @@ def family(
     """(our runner, the transformers model) on one family's tiny checkpoint."""
     if request.param == "mistral-window":  # every layer windowed, the window across pages
         path = tiny_model_factory("mistral", sliding_window=20)
+    elif request.param == "gemma3-multimodal":  # served text only, the vision tower skipped
+        path = family_model_factory("gemma3", multimodal=True)
     else:
         path = family_model_factory(request.param)
     runner = make_runner(path, num_pages=512)
