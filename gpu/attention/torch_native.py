@@ -81,8 +81,7 @@ def softcapped_attention(
     if k.shape[1] != q.shape[1]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale / cap).tanh_().mul_(cap)
     if causal:
         n, L = scores.shape[-2:]
         mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)

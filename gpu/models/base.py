@@ -127,7 +127,8 @@ class CausalLM(nn.Module):
         else:
             logits = F.linear(x, self.lm_head_weight()).float()
         if cap := self.info.final_logit_softcapping:
-            logits = torch.tanh(logits / cap) * cap
+            # in place: three passes over [S, vocab] without two fresh tensors of it
+            logits.div_(cap).tanh_().mul_(cap)
         return logits
 
     # -- loading: parameters may sit on the meta device until their first tensor arrives,
