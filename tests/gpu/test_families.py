@@ -7,6 +7,7 @@ context (32 tokens, where LongRoPE switches to its long factors)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,3 +65,16 @@ def test_windowed_layers_and_experts_are_what_the_config_says(
     assert (len(layer.experts), layer.top_k, layer.renormalize) == (8, 2, True)
     weights, ids = layer.route(torch.randn(5, 64))
     assert ids.shape == (5, 2) and torch.allclose(weights.sum(-1), torch.ones(5))
+
+
+def test_qwen3_with_yarn_long_context_scaling(family_model_factory: Callable[..., Path]) -> None:
+    """Qwen3's long-context setting (YaRN, factor 4 over a 16-token original context
+    here) on the prompts, which run past it."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    path = family_model_factory(
+        "qwen3", max_position_embeddings=64, rope_parameters={**yarn, "rope_theta": 1e6}
+    )
+    runner = make_runner(path, num_pages=512)
+    assert runner.info.rope_scaling is not None and runner.info.rope_scaling["rope_type"] == "yarn"
+    assert runner.model.ropes[0].attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+    assert_prefill_logits_match(runner, hf_model(path))
