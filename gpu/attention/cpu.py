@@ -49,7 +49,7 @@ class CpuBackend(TorchNativeBackend):
         return d
 
     def _decode(self, q: torch.Tensor, layer: int, d: _Decode, cap: float = 0.0) -> torch.Tensor:
-        if not d.kernel_args:
+        if not d.kernel_args or self._kernel is None:
             return super()._decode(q, layer, d, cap)
         qd = q[d.rows]  # [B, H, D]
         if qd.stride(2) != 1 or qd.stride(1) != self.head_dim:

@@ -116,6 +116,7 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, tables[self.rope_of(i)], meta, backend)
+        assert residual is not None, "a model of no layers"
         if meta.sample_rows.numel() != meta.num_tokens:
             # [S, hidden]: the LM head only where a token is sampled
             x, residual = x[meta.sample_rows], residual[meta.sample_rows]
@@ -184,5 +185,6 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}")
         for module in self.modules():
-            if hasattr(module, "after_loading"):
-                module.after_loading()
+            fold = getattr(type(module), "after_loading", None)
+            if fold is not None:
+                fold(module)

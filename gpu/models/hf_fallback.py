@@ -82,9 +82,10 @@ class TransformersCausalLM(nn.Module):
         from transformers import AttentionInterface, AutoModelForCausalLM
 
         AttentionInterface.register(ATTENTION_NAME, paged_attention)
-        self.hf = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             str(path), attn_implementation=ATTENTION_NAME, dtype=dtype
-        ).to(device)
+        )
+        self.hf = model.to(device)
         if not type(self.hf).is_backend_compatible():
             raise ValueError(
                 f"{info.architecture}: transformers' implementation does not pass attention "
