@@ -14,9 +14,12 @@ from typing import Any
 import msgspec
 
 from .actors.runtime.keys import KEY_ROLES, InsecureBindError, MissingKeyError, create_keys
+from .actors.runtime.process import PluginLoadError
 from .config import EngineConfig
-from .extensions.plugins import PlatformError
+from .extensions.plugins import PlatformError, PluginAPIError
 from .extensions.registry import UnknownNameError
+from .extensions.settings import parse_plugin_config
+from .flag_help import FLAG_HELP, GROUP_TITLES
 from .launch import _SECTIONS, ConfigError, config_from_options, load_deployment, resolve_config
 
 __all__ = ["USER_ERRORS", "build_parser", "main"]
@@ -24,6 +27,8 @@ __all__ = ["USER_ERRORS", "build_parser", "main"]
 # What a user's mistake raises (bugs raise anything else, and keep their traceback).
 USER_ERRORS = (
     ConfigError,
+    PluginAPIError,
+    PluginLoadError,
     UnknownNameError,
     PlatformError,
     MissingKeyError,
@@ -48,33 +53,67 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             fields = [f for f in msgspec.structs.fields(cls) if f.name != "addresses"]
         else:
             fields = list(msgspec.structs.fields(cls))
-        group = parser.add_argument_group(section)
+        group = parser.add_argument_group(GROUP_TITLES[section])
         for f in fields:
             if f.name in seen:
                 continue
             seen.add(f.name)
             flags = _ALIASES.get(f.name, [f"--{f.name.replace('_', '-')}"])
+            default = f.default if f.default not in ("", 0, 0.0) else "unset"
+            text = f"{FLAG_HELP[f.name]} (default: {default})"
             if f.name == "enable_prefix_cache":
                 group.add_argument(
-                    "--disable-prefix-cache", dest=f.name, action="store_false", default=None
+                    "--disable-prefix-cache",
+                    dest=f.name,
+                    action="store_false",
+                    default=None,
+                    help="do not share KV pages between prompts (default: shared)",
                 )
                 continue
             if isinstance(f.default, bool):
                 group.add_argument(
-                    *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None
+                    *flags,
+                    dest=f.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=text,
                 )
             elif isinstance(f.default, (int, float, str)):
                 group.add_argument(
-                    *flags, dest=f.name, type=type(f.default), default=None, metavar=f.name.upper()
+                    *flags,
+                    dest=f.name,
+                    type=type(f.default),
+                    default=None,
+                    metavar=f.name.upper(),
+                    help=text,
                 )
-    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    extra = parser.add_argument_group("plugins and logging")
+    extra.add_argument(
+        "--plugin-config",
+        action="append",
+        default=[],
+        metavar="NAME.KEY=VALUE",
+        help="a setting for plugin NAME, handed to its register() (repeatable)",
+    )
+    extra.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="log level of every process (default: info)",
+    )
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     names = {f.name for cls in _SECTIONS.values() for f in msgspec.structs.fields(cls)} | {
         "log_level"
     }
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+    out = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if getattr(args, "plugin_config", None):
+        try:
+            out["plugins"] = parse_plugin_config(args.plugin_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(KEY_ROLES),
         help=f"comma-separated roles (default: {','.join(KEY_ROLES)})",
     )
-    sub.add_parser("plugins", help="list plugins, the platform, registries, hooks and interceptors")
+    plugins = sub.add_parser(
+        "plugins", help="list plugins, the platform, registries, hooks and interceptors"
+    )
+    plugins.add_argument(
+        "--hooks", action="store_true", help="list the declared hook targets, with signatures"
+    )
+    plugins.add_argument(
+        "--plugin-config",
+        action="append",
+        default=[],
+        metavar="NAME.KEY=VALUE",
+        help="as for serve",
+    )
     sub.add_parser("messages", help="print the schema of every message")
     return parser
 
@@ -133,9 +184,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {path.with_suffix('.key')}  {path}")
         return 0
     if args.command == "plugins":
-        from .report import print_plugins
+        from .report import print_hook_surface, print_plugins
 
-        return print_plugins(sys.stdout)
+        if args.hooks:
+            return print_hook_surface(sys.stdout)
+        return print_plugins(sys.stdout, _options(args).get("plugins", {}))
     from .schema import print_schemas
 
     print_schemas(sys.stdout)

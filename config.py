@@ -4,6 +4,8 @@ file) and passed to every actor. Nothing reads the environment except
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 __all__ = [
@@ -24,6 +26,9 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     path: str = ""  # HF folder or .gguf file; "" = the embedded default model
     load_format: str = "auto"  # auto | safetensors | layered | gguf | a plugin's name
+    # native: a registered model; transformers: the fallback (any decoder-only HF model,
+    # attention on actorlm's backends); auto: native where registered, else the fallback
+    model_impl: str = "auto"
     dtype: str = "auto"  # auto = the platform's: bfloat16 on CUDA, float32 on the CPU
     device: str = ""  # "" = the active platform's device
     attention_backend: str = ""  # "" = the platform's default
@@ -106,4 +111,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: CacheConfig = CacheConfig()
     server: ServerConfig = ServerConfig()
     deploy: DeployConfig = DeployConfig()
+    plugins: dict[str, dict[str, Any]] = {}  # plugin name → its settings (register(settings))
     log_level: str = "info"

@@ -81,6 +81,12 @@ def config_from_options(base: EngineConfig | None = None, **options: Any) -> Eng
         if key == "log_level":
             config = msgspec.structs.replace(config, log_level=value)
             continue
+        if key in ("plugins", "plugin_config"):  # {name: {key: value}}, merged per plugin
+            merged = {n: dict(v) for n, v in config.plugins.items()}
+            for name, values in dict(value).items():
+                merged.setdefault(name, {}).update(values)
+            config = msgspec.structs.replace(config, plugins=merged)
+            continue
         section = owners.get(key)
         if section is None:
             raise ConfigError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
@@ -139,12 +145,13 @@ def validate_config(config: EngineConfig) -> None:
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Fill platform defaults, then model path, context length, KV page count and
     served name from the model."""
-    from .extensions.plugins import current_platform
+    from .extensions.plugins import current_platform, load_plugins
     from .gpu.default_model import default_model_path
     from .gpu.model_info import kv_pages_for_budget, load_model_info
 
     # The platform fills what the user left open (device, dtype, attention backend, page
     # size), and refuses what it cannot run before any actor starts.
+    load_plugins(settings=config.plugins)  # once per process; the first call's settings hold
     platform = current_platform()
     config = platform.adjust_defaults(config)
     validate_config(config)
@@ -157,9 +164,13 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if not Path(path).exists():
         raise ConfigError(f"model not found: {path}")
     info = load_model_info(path)
+    from .gpu.models import resolve_model_impl
+
+    try:
+        resolve_model_impl(info.architecture, m.model_impl)  # an unknown one fails here
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     max_len = m.max_model_len or info.max_model_len
-    if info.sliding_window:
-        max_len = min(max_len, info.sliding_window)
     num_pages = m.num_pages or kv_pages_for_budget(
         info, platform.kv_cache_bytes(m, info), m.page_size, m.dtype
     )
@@ -190,10 +201,15 @@ def load_deployment(path: str | Path, base: EngineConfig | None = None) -> Deplo
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     actors = data.pop("actors", {})
     config = base or EngineConfig()
+    plugins = data.pop("plugins", {})
+    if not isinstance(plugins, dict) or not all(isinstance(v, dict) for v in plugins.values()):
+        raise ConfigError(f"{path}: [plugins.NAME] tables hold each plugin's settings")
+    if plugins:
+        config = config_from_options(config, plugins=plugins)
     for section, values in data.items():
         if section not in _SECTIONS:
             raise ConfigError(
-                f"{path}: unknown section [{section}]; known: actors, {', '.join(_SECTIONS)}"
+                f"{path}: unknown section [{section}]; known: actors, plugins, {', '.join(_SECTIONS)}"
             )
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: [{section}] must be a table")

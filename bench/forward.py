@@ -8,6 +8,10 @@ forward with its KV cache (DynamicCache) on the model it loads from the same GGU
     python bench/forward.py                # default model, batch 1 8 32 64
     python bench/forward.py --skip-transformers --batch-sizes 32
     python bench/forward.py --quantization none,fp16   # one actorlm column each
+    python bench/forward.py --model DIR --model-impl native,transformers  # vs the fallback
+
+Any HF folder or GGUF runs (``bench/random_model.py`` builds random ones without a
+download: each family's tiny test model, or a released model's real shape).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import logging
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +58,11 @@ def parse_args() -> argparse.Namespace:
         help="actorlm linear methods to run, comma-separated (none = plain fp32 weights)",
     )
     p.add_argument(
+        "--model-impl",
+        default="auto",
+        help="actorlm model implementations to run, comma-separated (auto, native, transformers)",
+    )
+    p.add_argument(
         "--attention-backend",
         default="",
         help="actorlm attention backend (default: the platform's)",
@@ -63,6 +73,20 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def cpu_description() -> dict[str, str]:
+    """lscpu's model name and flags (which kernels a run could use)."""
+    out: dict[str, str] = {}
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("Model name", "CPU(s)", "Flags"):
+            out[key.strip()] = value.strip()
+    return out
+
+
 def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
@@ -70,7 +94,13 @@ def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
 
 class Ours:
     def __init__(
-        self, path: str, threads: int, num_pages: int, quantization: str, attention: str
+        self,
+        path: str,
+        threads: int,
+        num_pages: int,
+        quantization: str,
+        attention: str,
+        model_impl: str = "auto",
     ) -> None:
         cfg = ModelConfig(
             path=path,
@@ -78,6 +108,7 @@ class Ours:
             num_pages=num_pages,
             quantization=quantization,
             attention_backend=attention,
+            model_impl=model_impl,
         )
         self.runner = ModelRunner(cfg)
         self.step = 0
@@ -217,9 +248,13 @@ def main() -> None:
         + args.prompt_len // 16
         + 1
     )
+    impls = args.model_impl.split(",")
     engines: dict[str, Any] = {
-        f"actorlm {q}": Ours(str(path), args.threads, pages, q, args.attention_backend)
+        f"actorlm {q}" + (f" {impl}" if len(impls) > 1 else ""): Ours(
+            str(path), args.threads, pages, q, args.attention_backend, impl
+        )
         for q in args.quantization.split(",")
+        for impl in impls
     }
     first = next(iter(engines.values()))
     vocab = first.runner.info.vocab_size
@@ -228,6 +263,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "attention_backend": first.runner.attention_backend,
         "machine": platform.processor() or platform.machine(),
+        "cpu": cpu_description(),
         "args": vars(args),
     }
     if not args.skip_transformers:
@@ -246,6 +282,8 @@ def main() -> None:
             cells += [f"{ref[key]:.1f}", *(f"{results[n][key] / ref[key]:.2f}x" for n in names)]
         rows.append("| " + " | ".join(cells) + " |")
     print("\n".join(rows))
+    cpu = results["cpu"]
+    print(f"\n{path.name}, {results['threads']} threads, {cpu.get('Model name', '?')}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

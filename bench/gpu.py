@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from bench.random_model import LLAMA3_8B, SMOKE, register, write_model
+    from bench.random_weights import LLAMA3_8B, SMOKE, register, write_model
 
     register()
     device = "cuda" if torch.cuda.is_available() else "cpu"

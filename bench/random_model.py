@@ -1,101 +1,127 @@
-"""A model folder with no weights: a config at a chosen shape, a word-level tokenizer over
-its whole vocabulary, and the ``random`` weight loader that fills every parameter on
-the device (normal, std 0.02; norms 1). For benchmarks at a real model's shape where no
-checkpoint can be downloaded (bench/gpu.py).
+"""Random-weight models to benchmark on, built with ``transformers`` (no download).
 
-The loader is registered in this process only, so the engine must run its actors here
-(``Engine(placement="inproc")``) or use a ``ModelRunner`` directly.
+    python bench/random_model.py qwen3 --out /tmp/tiny-qwen3           # a family's tiny test model
+    python bench/random_model.py qwen3-0.6b --out /tmp/qwen3-0.6b       # Qwen3-0.6B's real shape
+    python bench/random_model.py --list
+
+A family name builds the tiny model the tests use (``tests/models.py``: 2-4 layers,
+hidden 64, the family's real configuration otherwise, with its tokenizer); a
+``-real`` shape builds the published configuration of a released model with random
+weights (initializer 0.02) and no tokenizer (``bench/forward.py`` feeds token ids).
+It prints a one-line JSON summary (path, architecture, parameters).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from actorlm.extensions.points import WEIGHT_LOADERS
-from actorlm.gpu.loaders.base import WeightLoader
-from actorlm.gpu.model_info import ModelInfo, hf_model_info
-from torch import nn
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/random_model.py` from anywhere
+    sys.path.insert(0, str(REPO))
 
-__all__ = ["LLAMA3_8B", "SMOKE", "RandomLoader", "register", "write_model"]
+from tests.models import FAMILIES, build_family_model, build_tiny_model  # noqa: E402
 
-LLAMA3_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "hidden_act": "silu",
+# Released models' config.json values (the shapes; weights are random).
+REAL_SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3-270m": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            vocab_size=262144,
+            hidden_size=640,
+            intermediate_size=2048,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
 }
-# The same architecture, small enough for any machine: checks the script, not the device.
-SMOKE: dict[str, Any] = {
-    **LLAMA3_8B,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 2048,
-    "max_position_embeddings": 2048,
-}
 
 
-def write_model(folder: Path, config: dict[str, Any]) -> Path:
-    """config.json and a tokenizer whose token ``i`` is the word ``t{i}`` (0, 1, 2: the
-    unknown, bos and eos tokens, spelled apart: a special token is matched anywhere in
-    a text, so ``t1`` would cut ``t17`` in two)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def build_real_shape(name: str, out: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
 
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {s: i for i, s in enumerate(specials)}
-    vocab.update((f"t{i}", i) for i in range(len(specials), config["vocab_size"]))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    config_cls, model_cls, params = REAL_SHAPES[name]
+    config = getattr(transformers, config_cls)(**params, initializer_range=0.02)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    fast.save_pretrained(str(folder))
-    return folder
+    p.add_argument("model", nargs="?", help="a family (tiny) or a real shape")
+    p.add_argument("--out", type=Path, help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a config value of a tiny family model (max_position_embeddings=4096)",
+    )
+    p.add_argument("--list", action="store_true", help="the names this builds")
+    args = p.parse_args()
+    tiny = [*FAMILIES, "gpt_neox"]
+    if args.list or not args.model:
+        print("tiny families:", ", ".join(tiny))
+        print("real shapes:", ", ".join(REAL_SHAPES))
+        return
+    if args.out is None:
+        p.error("--out is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.model in REAL_SHAPES:
+        build_real_shape(args.model, args.out, args.seed)
+    elif args.model == "gpt_neox":  # not native: the transformers fallback's test model
+        build_tiny_model(args.out, "gpt_neox", args.seed, rotary_pct=0.25)
+    elif args.model in FAMILIES:
+        overrides = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+        build_family_model(args.out, args.model, args.seed, **overrides)
+    else:
+        p.error(f"unknown model {args.model!r}; known: {', '.join(tiny + list(REAL_SHAPES))}")
+    config = json.loads((args.out / "config.json").read_text())
+    size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
+    print(
+        json.dumps(
+            {"path": str(args.out), "architecture": config["architectures"][0], "params": size // 4}
+        )
+    )
 
 
-class RandomLoader(WeightLoader):
-    name = "random"
-
-    def model_info(self) -> ModelInfo:
-        return hf_model_info(self.path)
-
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(())
-
-    def load(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
-        gen = torch.Generator(device=device).manual_seed(0)
-        for name, param in list(model.named_parameters()):
-            owner, _, leaf = name.rpartition(".")
-            data = torch.empty(param.shape, dtype=dtype, device=device)
-            if "norm" in name:
-                data.fill_(1.0)
-            else:
-                data.normal_(0.0, 0.02, generator=gen)
-            setattr(model.get_submodule(owner), leaf, nn.Parameter(data, requires_grad=False))
-
-
-def register() -> None:
-    if "random" not in WEIGHT_LOADERS:
-        WEIGHT_LOADERS.register("random", RandomLoader, help="random weights (benchmarks)")
+if __name__ == "__main__":
+    main()

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from .registry import current_source
+from .surface import declared
 
 __all__ = [
     "Hook",
@@ -138,6 +139,7 @@ class HookRegistry:
     _hooks: ClassVar[list[Hook]] = []
     _bindings: ClassVar[list[_Binding]] = []
     _failed: ClassVar[set[str]] = set()
+    _warned: ClassVar[set[str]] = set()  # undeclared targets already logged
     _errors: ClassVar[list[HookError]] = []
     _applied: ClassVar[bool] = False
     _lock: ClassVar[threading.RLock] = threading.RLock()
@@ -147,6 +149,14 @@ class HookRegistry:
         cls, target: str, fn: Callable[..., Any], type: HookType | str, *, source: str | None = None
     ) -> Callable[..., Any]:
         hook = Hook(target, fn, HookType(type), source or current_source.get())
+        if not declared(target) and target not in cls._warned:
+            cls._warned.add(target)
+            log.warning(
+                "hook target %s (from %s) is outside the stable hook surface: it may change "
+                "without notice (`actorlm plugins --hooks` lists the declared targets)",
+                target,
+                hook.source,
+            )
         with cls._lock:
             # register() may run twice (a module imported twice): one hook, not two.
             if not any(

@@ -11,10 +11,17 @@
    ``torch.cuda.is_available()`` else ``cpu``; one → it; several → an error
    naming them. The chosen class path is registered in ``PLATFORMS`` under the
    entry point's name.
-3. Run, in entry-point name order, each ``actorlm.plugins`` entry point's ``register()`` the allowlist
-   (entry-point names; unset: all, empty: none) admits, with ``current_source`` set to its name, skipping (without importing)
-   those shipped by the distribution of a platform that was not chosen.
+3. Run, in entry-point name order, each ``actorlm.plugins`` entry point's ``register()`` the
+   allowlist (entry-point names; unset: all, empty: none) admits, with ``current_source`` set
+   to its name, skipping (without importing) those shipped by the distribution of a platform
+   that was not chosen. A ``register`` that takes a parameter gets the plugin's
+   ``PluginSettings`` (``--plugin-config NAME.KEY=VALUE``, ``[plugins.NAME]``).
 4. ``HookRegistry.apply_hooks()``.
+
+A plugin whose entry point's module says ``REQUIRES_API = N`` (or a collection of
+versions) and does not accept this engine's ``API_VERSION`` stops the start-up with a
+``PluginAPIError`` naming it: a plugin written against another surface must not run
+half-working.
 
 A plugin that fails to import, activate or register is logged and recorded in
 the ``PluginReport`` with its name and distribution; the others still load.
@@ -26,6 +33,7 @@ all of it; the failure is remembered, and later calls raise it again.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -37,11 +45,14 @@ from typing import Any
 from .hooks import HookRegistry
 from .points import PLATFORMS
 from .registry import current_source
+from .settings import PluginSettings
+from .surface import API_VERSION
 
 __all__ = [
     "PLATFORM_GROUP",
     "PLUGIN_GROUP",
     "PlatformError",
+    "PluginAPIError",
     "PluginInfo",
     "PluginReport",
     "current_platform",
@@ -63,6 +74,10 @@ BUILTIN_PLATFORMS = {
 for _name, _path in BUILTIN_PLATFORMS.items():
     if _name not in PLATFORMS:
         PLATFORMS.register(_name, _path, source="builtin", help=f"built-in {_name} platform")
+
+
+class PluginAPIError(ValueError):
+    """A plugin written for another version of the plugin surface."""
 
 
 class PlatformError(RuntimeError):
@@ -91,21 +106,26 @@ class PluginReport:
     allowlist: tuple[str, ...] | None = None  # None: every plugin allowed
     errors: list[str] = field(default_factory=list)
     platform_error: str = ""
+    api_errors: list[str] = field(default_factory=list)  # REQUIRES_API mismatches: fatal
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # per plugin
 
 
 @dataclass(frozen=True)
 class _Settings:
     allowlist: frozenset[str] | None
     platform: str | None
+    plugins: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> _Settings:
+    def from_env(
+        cls, environ: Mapping[str, str], plugins: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> _Settings:
         raw = environ.get("ACTORLM_PLUGINS")
         allowlist = None
         if raw is not None:
             allowlist = frozenset(n.strip() for n in raw.split(",") if n.strip())
         platform = environ.get("ACTORLM_PLATFORM", "").strip() or None
-        return cls(allowlist, platform)
+        return cls(allowlist, platform, dict(plugins or {}))
 
     def allows(self, name: str) -> bool:
         return self.allowlist is None or name in self.allowlist
@@ -115,12 +135,19 @@ _lock = threading.RLock()
 _report: PluginReport | None = None
 
 
-def load_plugins(environ: Mapping[str, str] | None = None) -> PluginReport:
-    """Discover and load plugins once per process; later calls return the same report."""
+def load_plugins(
+    environ: Mapping[str, str] | None = None,
+    settings: Mapping[str, Mapping[str, Any]] | None = None,
+) -> PluginReport:
+    """Discover and load plugins once per process (``settings``: each plugin's, by
+    name); later calls return the same report."""
     global _report
     with _lock:
         if _report is None:
-            _report = _load(_Settings.from_env(os.environ if environ is None else environ))
+            env = os.environ if environ is None else environ
+            _report = _load(_Settings.from_env(env, settings))
+        if _report.api_errors:
+            raise PluginAPIError("; ".join(_report.api_errors))
         if _report.platform_error:
             raise PlatformError(_report.platform_error, _report)
         return _report
@@ -160,13 +187,17 @@ def _load(settings: _Settings) -> PluginReport:
             info.status = "skipped"
             info.error = f"its distribution {info.dist!r} ships a platform that is not active"
         else:
-            _call(ep, info, report, "register")
+            given = PluginSettings(ep.name, settings.plugins.get(ep.name))
+            report.settings[ep.name] = dict(given)
+            _call(ep, info, report, "register", given)
             if not info.error:
                 info.status = "loaded"
+    known = {p.name for p in report.plugins + report.platforms}
     if settings.allowlist:
-        known = {p.name for p in report.plugins + report.platforms}
         for name in sorted(settings.allowlist - known):
             _fail(report, f"ACTORLM_PLUGINS names {name!r}, which no installed plugin provides")
+    for name in sorted(set(settings.plugins) - known):
+        _fail(report, f"--plugin-config names {name!r}, which no installed plugin provides")
     report.errors += [str(e) for e in HookRegistry.apply_hooks()]
     return report
 
@@ -242,11 +273,47 @@ def _activate(ep: EntryPoint, info: PluginInfo, report: PluginReport) -> bool:
     return True
 
 
-def _call(ep: EntryPoint, info: PluginInfo, report: PluginReport, what: str) -> Any:
+def _accepts_settings(fn: Callable[..., Any]) -> bool:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].kind in (
+        params[0].POSITIONAL_ONLY,
+        params[0].POSITIONAL_OR_KEYWORD,
+    )
+
+
+def _api_problem(ep: EntryPoint, info: PluginInfo, fn: Any) -> str:
+    """Why the plugin cannot run on this API_VERSION ("" if it can, or says nothing)."""
+    wanted = getattr(inspect.getmodule(fn), "REQUIRES_API", None)
+    if wanted is None:
+        return ""
+    accepted = wanted if isinstance(wanted, (tuple, list, set, frozenset, range)) else (wanted,)
+    if API_VERSION in accepted:
+        return ""
+    where = f" (distribution {info.dist})" if info.dist else ""
+    return (
+        f"plugin {ep.name!r}{where} requires the plugin API {wanted!r}; this actorlm "
+        f"provides API {API_VERSION}"
+    )
+
+
+def _call(
+    ep: EntryPoint, info: PluginInfo, report: PluginReport, what: str, settings: Any = None
+) -> Any:
     """Import the entry point and call it attributed to its plugin; failures are recorded."""
     token = current_source.set(ep.name)
     try:
-        fn: Callable[[], Any] = ep.load()
+        fn: Callable[..., Any] = ep.load()
+        problem = _api_problem(ep, info, fn)
+        if problem:
+            info.status, info.error = "failed", problem
+            report.api_errors.append(problem)
+            report.errors.append(problem)
+            return None
+        if settings is not None and _accepts_settings(fn):
+            return fn(settings)
         return fn()
     except Exception as exc:  # a broken plugin must not stop the others
         info.status = "failed"

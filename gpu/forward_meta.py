@@ -25,6 +25,9 @@ class SeqSpec:
     start_pos: int  # tokens already in the KV cache
     page_ids: Sequence[int]  # covers start_pos + len(input_ids) tokens
     sample: bool = True  # compute logits for the last token
+    # The whole prompt's length (0: unknown). A chunk of a prompt reads RoPE as the
+    # whole prompt would: LongRoPE picks its factors by a sequence's length.
+    prompt_len: int = 0
 
 
 @dataclass
@@ -39,6 +42,12 @@ class ForwardMeta:
     page_tables: list[list[int]]
     page_size: int
     max_seq_len: int  # longest start_pos + extend_len in the batch
+    # The model's attention layout, the same every step: per-layer window in tokens
+    # (0 = full attention; empty = every layer full) and Gemma 2's logit soft cap (0 =
+    # none). A query at position p sees keys p - window < j <= p, as transformers does.
+    layer_windows: Sequence[int] = ()
+    logit_softcap: float = 0.0
+    seq_lens: list[int] = field(default_factory=list)  # max(start_pos + extend_len, prompt_len)
     attn: Any = field(default=None)  # the backend's own per-step state (init_forward_metadata)
 
     @property
@@ -49,9 +58,17 @@ class ForwardMeta:
     def batch_size(self) -> int:
         return len(self.extend_lens)
 
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
     @classmethod
     def build(
-        cls, seqs: Sequence[SeqSpec], page_size: int, device: torch.device | str = "cpu"
+        cls,
+        seqs: Sequence[SeqSpec],
+        page_size: int,
+        device: torch.device | str = "cpu",
+        layer_windows: Sequence[int] = (),
+        logit_softcap: float = 0.0,
     ) -> ForwardMeta:
         # numpy for the index arithmetic: a Python loop per token costs ~1 µs each.
         ids: list[int] = []
@@ -90,4 +107,7 @@ class ForwardMeta:
             page_tables=[list(s.page_ids) for s in seqs],
             page_size=page_size,
             max_seq_len=max_seq_len,
+            seq_lens=[max(a + n, s.prompt_len) for a, n, s in zip(starts, lens, seqs, strict=True)],
+            layer_windows=tuple(layer_windows),
+            logit_softcap=logit_softcap,
         )

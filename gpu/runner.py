@@ -44,12 +44,6 @@ class ModelRunner:
         loader = make_loader(cfg)
         info = loader.model_info()
         max_len = cfg.max_model_len or info.max_model_len
-        if info.sliding_window and max_len > info.sliding_window:
-            # Attention here is full, not windowed: within the window both agree.
-            log.info(
-                "capping max_model_len %d to the sliding window %d", max_len, info.sliding_window
-            )
-            max_len = info.sliding_window
         method = QUANTIZATION_METHODS.get(cfg.quantization or "none")()
         method.check(self.device, self.dtype)
         num_pages = cfg.num_pages or kv_pages_for_budget(
@@ -82,7 +76,20 @@ class ModelRunner:
             platform.default_attention_backend() if on_platform else "torch"
         )
         backend_cls = ATTENTION_BACKENDS.get(self.attention_backend)
-        self.backend = backend_cls(self.pool, info.num_heads, info.head_dim)
+        # The model's attention layout: softmax scale, per-layer windows, logit soft cap.
+        self.layer_windows = list(getattr(self.model, "layer_windows", []))
+        self.softcap = float(getattr(self.model, "attention_softcap", 0.0))
+        for needed, supported, what in (
+            (any(self.layer_windows), backend_cls.supports_sliding_window, "sliding-window"),
+            (self.softcap, backend_cls.supports_logit_softcap, "soft-capped"),
+        ):
+            if needed and not supported:
+                raise ValueError(
+                    f"{info.architecture} needs {what} attention, which attention backend "
+                    f"{self.attention_backend!r} does not implement; use --attention-backend torch"
+                )
+        scale = getattr(self.model, "attention_scale", None)
+        self.backend = backend_cls(self.pool, info.num_heads, info.head_dim, scale=scale)
         self.info: ModelInfo = msgspec.structs.replace(
             info,
             max_model_len=max_len,
@@ -94,6 +101,7 @@ class ModelRunner:
 
         self.sampler = Sampler(info.vocab_size, self.device)
         self._last: dict[str, int] = {}  # each sequence's last sampled token (PENDING_TOKEN)
+        self._prompt_lens: dict[str, int] = {}  # rid → prompt length, while it runs
         self.graphs = capture_decode_graphs(self, max_len, pad_page=num_pages) if graphs else None
 
     def forward(self, batch: ForwardBatch) -> StepResult:
@@ -102,6 +110,7 @@ class ModelRunner:
         for rid in batch.release:
             self.sampler.release(rid)
             self._last.pop(rid, None)
+            self._prompt_lens.pop(rid, None)
         errors: list[SeqError] = []
         for s in batch.seqs:  # a step sent while the one before failed this sequence
             if PENDING_TOKEN in s.input_ids and s.rid not in self._last:
@@ -113,6 +122,7 @@ class ModelRunner:
         ]
         for s in batch.seqs:
             if s.init is not None:
+                self._prompt_lens[s.rid] = s.init.prompt_len
                 try:
                     self.sampler.add(s.rid, s.init)  # builds its logit processors
                 except ValueError as exc:
@@ -138,6 +148,7 @@ class ModelRunner:
         """Forget every sequence (their scheduler is gone)."""
         self.sampler.release_all()
         self._last.clear()
+        self._prompt_lens.clear()
 
     def _resolve(self, seq: SeqStep) -> SeqStep:
         """Fill in a PENDING_TOKEN input with the token the sequence sampled last."""
@@ -148,7 +159,14 @@ class ModelRunner:
 
     def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""
-        return self.run([SeqSpec(s.input_ids, s.start_pos, s.page_ids, s.sample) for s in seqs])
+        return self.run(
+            [
+                SeqSpec(
+                    s.input_ids, s.start_pos, s.page_ids, s.sample, self._prompt_lens.get(s.rid, 0)
+                )
+                for s in seqs
+            ]
+        )
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSpec]) -> torch.Tensor:
@@ -163,7 +181,7 @@ class ModelRunner:
                 )
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs)
-        meta = ForwardMeta.build(seqs, self.pool.page_size)
+        meta = ForwardMeta.build(seqs, self.pool.page_size, "cpu", self.layer_windows, self.softcap)
         if self.device.type != "cpu":
             meta = upload_meta(meta, self.device)  # pinned, non-blocking
         self.backend.init_forward_metadata(meta)

@@ -5,7 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import build_tiny_model, default_gguf_path, smollm2_tokenizer_dir
+from tests.models import (
+    build_family_model,
+    build_tiny_model,
+    default_gguf_path,
+    smollm2_tokenizer_dir,
+)
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +33,22 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         if key not in built:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
             built[key] = build_tiny_model(out, arch, **overrides)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def family_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``factory(name, **config_overrides)`` → a saved tiny model of ``FAMILIES[name]``
+    (its tokenizer and chat template included), built once per args."""
+    built: dict[str, Path] = {}
+
+    def factory(name: str, **overrides: object) -> Path:
+        key = f"{name}-{sorted(overrides.items())}"
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{name}")
+            built[key] = build_family_model(out, name, **overrides)
         return built[key]
 
     return factory

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from ...config import EngineConfig
 
-__all__ = ["event_loop_runner", "prepare_process", "setup_logging"]
+__all__ = ["PluginLoadError", "event_loop_runner", "prepare_process", "setup_logging"]
 
 T = TypeVar("T")
 
@@ -22,8 +22,13 @@ def setup_logging(level: str = "info") -> None:
     )
 
 
+class PluginLoadError(ValueError):
+    """A plugin failed to load where the engine is to run: it does not start half-working."""
+
+
 def prepare_process(config: EngineConfig, role: str) -> None:
-    """Logging, then plugins (``register()`` runs once in every actor process)."""
+    """Logging, then plugins (``register()`` runs once in every actor process, with its
+    settings); any plugin that failed to load stops the start."""
     setup_logging(config.log_level)
     if role != "worker":
         # Only the worker computes; elsewhere torch (if imported) and HF tokenizers
@@ -32,7 +37,9 @@ def prepare_process(config: EngineConfig, role: str) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     from ...extensions.plugins import load_plugins
 
-    load_plugins()
+    report = load_plugins(settings=config.plugins)
+    if report.errors:
+        raise PluginLoadError("; ".join(report.errors))
 
 
 def event_loop_runner() -> Callable[[Coroutine[Any, Any, T]], T]:

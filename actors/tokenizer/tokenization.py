@@ -26,6 +26,7 @@ from typing import Any
 from actorlm.messages.generate import ChatMessage
 
 __all__ = [
+    "END_OF_TURN_TOKENS",
     "ChatTemplateError",
     "TextTokenizer",
     "default_cache_root",
@@ -236,6 +237,30 @@ def _config_eos_ids(folder: Path) -> set[int]:
     return ids
 
 
+# End-of-turn tokens of the chat formats, by their text: a GGUF lists its eos (and
+# perhaps eot/eom) ids, but a chat model ends its turns with one of these; llama.cpp
+# treats them as end of generation the same way.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_id|>")
+
+
+def _gguf_stop_ids(gguf_path: Path, hf: Any) -> set[int]:
+    """The file's eos/eot/eom ids, and the ids of the end-of-turn tokens its vocabulary has."""
+    from actorlm.gpu.gguf_file import GGUFFile
+
+    meta = GGUFFile(gguf_path).metadata
+    ids = {
+        int(meta[k])
+        for k in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
+        if isinstance(meta.get(k), int)
+    }
+    vocab = hf.get_vocab()
+    return ids | {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+
+
 def gguf_tokenizer_dir(gguf_path: str | os.PathLike[str], cache_root: Path | None = None) -> Path:
     """An HF tokenizer folder converted from a GGUF's metadata, cached.
 
@@ -284,4 +309,6 @@ def load_tokenizer(model_path: str, cache_root: Path | None = None) -> TextToken
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {model_path!r}: {e}") from e
     eos = _config_eos_ids(folder)
+    if folder != path:  # converted from a GGUF: its stop ids are in the file's metadata
+        eos |= _gguf_stop_ids(path, hf)
     return TextTokenizer(hf, eos_token_ids=eos, source=str(model_path))

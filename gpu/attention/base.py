@@ -3,12 +3,14 @@
 A backend is built once per worker over the KV pool. Each step the runner calls
 ``init_forward_metadata(meta)`` once (index tensors, masks, kernel plans) and the
 model then calls ``forward(q, k, v, layer, meta)`` in every layer, which stores
-the new K/V in the pool and returns the attention output.
+the new K/V in the pool and returns the attention output. ``scale`` is the
+model's softmax scale (Gemma's is not ``head_dim ** -0.5``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -19,6 +21,12 @@ __all__ = ["AttentionBackend"]
 
 
 class AttentionBackend(ABC):
+    # What a backend honours of the model's attention layout in ``ForwardMeta``
+    # (``layer_windows``, ``logit_softcap``); the runner refuses a model that needs what
+    # its backend lacks, rather than computing full or uncapped attention.
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logit_softcap: ClassVar[bool] = False
+
     def __init__(
         self, pool: KVPool, num_heads: int, head_dim: int, scale: float | None = None
     ) -> None:

@@ -8,8 +8,9 @@ went from ~160 to ~110 ms with the LM head change beside it (bench/forward.py).
 Its scores take 8 keys at a time and its weighted sum of values keeps the
 accumulators in registers, so long contexts run at the memory's speed: at batch 8
 with 1,000-token contexts a decode step of the default model went from ~95 to ~65 ms.
-Prefills, and anything the kernel does not cover (other dtypes or devices, no C
-compiler), take the torch path unchanged.
+A sliding window starts each sequence's keys at its window inside the first page
+the window touches. Prefills, and anything the kernel does not cover (other
+dtypes or devices, no C compiler, soft-capped scores), take the torch path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..forward_meta import ForwardMeta
 from ..kernels.attention import decode_kernel
 from .torch_native import TorchNativeBackend, _Decode
 
@@ -37,20 +39,23 @@ class CpuBackend(TorchNativeBackend):
         if self._kernel is None:
             log.info("cpu attention: decodes take the torch path (%s)", pool.dtype)
 
-    def _plan_decode(self, d: _Decode) -> _Decode:
-        if self._kernel is None:
-            return super()._plan_decode(d)
+    def _plan_decode(self, d: _Decode, meta: ForwardMeta) -> _Decode:
+        if self._kernel is None or meta.logit_softcap:  # the kernel does not cap scores
+            return super()._plan_decode(d, meta)
         table = torch.from_numpy(np.ascontiguousarray(d.table))
-        d.kernel_args = (table, torch.tensor(d.seq_lens, dtype=torch.int64))
+        lens = torch.tensor(d.seq_lens, dtype=torch.int64)
+        starts = None if d.starts is None else torch.tensor(d.starts, dtype=torch.int64)
+        d.kernel_args = (table, lens) if starts is None else (table, lens, starts)
         return d
 
-    def _decode(self, q: torch.Tensor, layer: int, d: _Decode) -> torch.Tensor:
-        if self._kernel is None:
-            return super()._decode(q, layer, d)
+    def _decode(self, q: torch.Tensor, layer: int, d: _Decode, cap: float = 0.0) -> torch.Tensor:
+        if not d.kernel_args or self._kernel is None:
+            return super()._decode(q, layer, d, cap)
         qd = q[d.rows]  # [B, H, D]
         if qd.stride(2) != 1 or qd.stride(1) != self.head_dim:
             qd = qd.contiguous()
-        table, lens = d.kernel_args
+        table, lens = d.kernel_args[:2]
+        starts = d.kernel_args[2] if len(d.kernel_args) > 2 else None
         B, H, D = d.batch, self.num_heads, self.head_dim
         out = q.new_empty(B, H * D)
         pool = self.pool
@@ -63,6 +68,7 @@ class CpuBackend(TorchNativeBackend):
             table.data_ptr(),
             table.shape[1],
             lens.data_ptr(),
+            None if starts is None else starts.data_ptr(),
             out.data_ptr(),
             B,
             self.num_kv_heads,

@@ -20,6 +20,6 @@ def decode_kernel() -> Any | None:
     if lib is None:
         return None
     fn = lib.actorlm_paged_decode
-    fn.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, ctypes.c_int]
+    fn.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn

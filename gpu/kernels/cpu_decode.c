@@ -83,20 +83,23 @@ static inline __attribute__((always_inline)) void weigh(float *acc, const float 
    sum of values keeps up to 64 floats of acc in registers; a page of K and V
    stays in L1 while the G heads read it. */
 static void attend(const float *q, const float *k, const float *v, const int64_t *table,
-                   int64_t len, int64_t G, int64_t D, int64_t page_size, float scale,
-                   float *scores, float *acc, float *out) {
+                   int64_t start, int64_t len, int64_t G, int64_t D, int64_t page_size,
+                   float scale, float *scores, float *acc, float *out) {
     const int64_t page_floats = page_size * D;
     const int vec = D % 8 == 0;
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-        const int64_t page = table[t0 / page_size];
-        const float *kp = k + page * page_floats;
-        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+    /* keys start..len-1 (a sliding window starts inside its first page); scores are
+       indexed from start, the runs t0..t0+n stay within one page */
+    const int64_t cnt = len - start;
+    for (int64_t t0 = start, n; t0 < len; t0 += n) {
+        const int64_t page = table[t0 / page_size], off = t0 % page_size;
+        const float *kp = k + page * page_floats + off * D;
+        n = len - t0 < page_size - off ? len - t0 : page_size - off;
         /* pages lie anywhere, beyond the hardware prefetcher's reach: ask for the
            next page of K, and this page of V for pass 2, before computing */
-        if (t0 + page_size < len) prefetch(k + table[t0 / page_size + 1] * page_floats, page_floats);
-        prefetch(v + page * page_floats, n * D);
+        if (t0 + n < len) prefetch(k + table[t0 / page_size + 1] * page_floats, page_floats);
+        prefetch(v + page * page_floats + off * D, n * D);
         for (int64_t g = 0; g < G; g++) {
-            float *sg = scores + g * len + t0;
+            float *sg = scores + g * cnt + (t0 - start);
             int64_t i = 0;
             if (vec)
                 for (; i + 8 <= n; i += 8) *(v8f *)(sg + i) = dot8(q + g * D, kp + i * D, D) * scale;
@@ -105,16 +108,17 @@ static void attend(const float *q, const float *k, const float *v, const int64_t
     }
     float inv_sum[G];
     for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * len, m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        inv_sum[g] = 1.f / exp_sum(sg, len, m);
+        float *sg = scores + g * cnt, m = -INFINITY;
+        for (int64_t t = 0; t < cnt; t++) m = sg[t] > m ? sg[t] : m;
+        inv_sum[g] = 1.f / exp_sum(sg, cnt, m);
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * D));
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
-        const float *vp = v + table[t0 / page_size] * page_floats;
-        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+    for (int64_t t0 = start, n; t0 < len; t0 += n) {
+        const int64_t off = t0 % page_size;
+        const float *vp = v + table[t0 / page_size] * page_floats + off * D;
+        n = len - t0 < page_size - off ? len - t0 : page_size - off;
         for (int64_t g = 0; g < G; g++) {
-            const float *sg = scores + g * len + t0;
+            const float *sg = scores + g * cnt + (t0 - start);
             float *ag = acc + g * D;
             if (!vec) {
                 for (int64_t i = 0; i < n; i++) axpy(sg[i], vp + i * D, ag, D);
@@ -138,13 +142,15 @@ static void attend(const float *q, const float *k, const float *v, const int64_t
  * q        [B, H, D] at q + b * q_stride_b + head * D (head = kv_head * G + g)
  * k, v     [Hkv, num_pages, page_size, D] contiguous: this layer's pool
  * pages    [B, table_stride] page ids; seq_lens [B] tokens to attend to (>= 1)
+ * starts   [B] the first of them each sequence attends to (a sliding window), or NULL: 0
  * out      [B, H * D] contiguous
  * threads  OpenMP threads (torch's setting: worker threads do not inherit it)
  * Returns 0, or -1 when a thread could not allocate its scratch.
  */
 int actorlm_paged_decode(const float *q, int64_t q_stride_b, const float *k, const float *v,
                          int64_t num_pages, const int64_t *pages, int64_t table_stride,
-                         const int64_t *seq_lens, float *out, int64_t B, int64_t Hkv, int64_t G,
+                         const int64_t *seq_lens, const int64_t *starts, float *out, int64_t B,
+                         int64_t Hkv, int64_t G,
                          int64_t D, int64_t page_size, int64_t max_len, float scale,
                          int threads) {
     int failed = 0;
@@ -162,8 +168,8 @@ int actorlm_paged_decode(const float *q, int64_t q_stride_b, const float *k, con
             for (int64_t h = 0; h < Hkv; h++) {
                 if (scores == NULL || acc == NULL) continue;
                 attend(q + b * q_stride_b + h * G * D, k + h * head_stride, v + h * head_stride,
-                       pages + b * table_stride, seq_lens[b], G, D, page_size, scale, scores,
-                       acc, out + (b * Hkv + h) * G * D);
+                       pages + b * table_stride, starts ? starts[b] : 0, seq_lens[b], G, D,
+                       page_size, scale, scores, acc, out + (b * Hkv + h) * G * D);
             }
         }
         free(scores);

@@ -102,15 +102,16 @@ def load_model(
     cfg: ModelConfig, max_model_len: int | None = None, loader: WeightLoader | None = None
 ) -> tuple[Any, ModelInfo]:
     """Build the registered model for the file at ``cfg.path`` and load its weights."""
-    import actorlm.gpu.models  # noqa: F401  (registers the built-ins)
-
-    from ..models.registry import build_model
+    from ..models.registry import build_fallback, build_model, resolve_model_impl
 
     loader = loader or make_loader(cfg)
     info = loader.model_info()
+    device, dtype = torch.device(cfg.device or "cpu"), getattr(torch, cfg.dtype)
+    if resolve_model_impl(info.architecture, cfg.model_impl) == "transformers":
+        return build_fallback(loader.path, info, dtype, device), info
     model = build_model(info, max_model_len)
     from ..platforms import resolve_dtype
 
-    dtype = resolve_dtype(cfg.dtype, cfg.device)  # "auto": the platform's
-    loader.load(model, torch.device(cfg.device or "cpu"), getattr(torch, dtype))
+    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))  # "auto": the platform's
+    loader.load(model, device, dtype)
     return model, info

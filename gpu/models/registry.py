@@ -1,14 +1,18 @@
-"""Model classes by HF architecture name (config.json ``architectures``)."""
+"""Model classes by HF architecture name (config.json ``architectures``): a native
+model built on the meta device, or the transformers fallback."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from actorlm.extensions.points import MODELS
 from torch import nn
 
 from ..model_info import ModelInfo
+from . import resolve_model_impl
 
-__all__ = ["build_model"]
+__all__ = ["build_fallback", "build_model", "resolve_model_impl"]
 
 
 def build_model(info: ModelInfo, max_model_len: int | None = None) -> nn.Module:
@@ -18,3 +22,14 @@ def build_model(info: ModelInfo, max_model_len: int | None = None) -> nn.Module:
     with torch.device("meta"):
         model = cls(info, max_model_len=max_model_len)
     return model.eval()
+
+
+def build_fallback(
+    path: Path, info: ModelInfo, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """transformers' own model for ``path``, its attention on actorlm's backends."""
+    from .hf_fallback import TransformersCausalLM
+
+    if not path.is_dir():
+        raise ValueError(f"{path}: the transformers fallback runs HF folders, not GGUF files")
+    return TransformersCausalLM(path, info, dtype, device)

@@ -1,8 +1,15 @@
-"""Rotary position embeddings with the HF scaling variants (default, linear, dynamic, llama3):
-the cos/sin tables; ``ops.rotate_halves`` applies them.
+"""Rotary position embeddings with the HF scaling variants (default, linear, dynamic,
+llama3, yarn, longrope): the cos/sin tables; ``ops.rotate_halves`` applies them.
 
 Weights are in HF layout (rotate the two halves of each head), which is what the
-GGUF loader restores by undoing llama.cpp's interleaving permutation.
+GGUF loader restores by undoing llama.cpp's interleaving permutation. ``dim`` is
+the rotated part of a head (all of it unless a family rotates a fraction).
+
+YaRN and LongRoPE also scale cos and sin by an attention factor. LongRoPE keeps
+two tables: a sequence whose end (as of this step, or its whole prompt's while it
+is prefilled in chunks) lies past the original context reads the long factors, as
+transformers decides per forward call. (KV computed for a shorter sequence keeps
+its short-factor rotation, in transformers' cache as in ours.)
 """
 
 from __future__ import annotations
@@ -10,9 +17,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["Rope"]
+from ..forward_meta import ForwardMeta
+
+__all__ = ["KNOWN_SCALING", "Rope"]
+
+KNOWN_SCALING = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -34,51 +46,118 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN: dimensions that turn many times over the original context keep their
+    frequency, slow ones are interpolated by ``factor``, a linear ramp between."""
+    orig = float(s.get("original_max_position_embeddings") or max_pos)
+    factor = float(s.get("factor") or max_pos / orig)
+    attn = s.get("attention_factor")
+    if attn is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn = (
+            _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
+            if m and m_all
+            else _yarn_mscale(factor)
+        )
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def turns_dim(turns: float) -> float:  # the dimension that turns `turns` times over orig
+        return dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turns_dim(fast), turns_dim(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    keep = 1 - ramp  # share of the original frequency
+    inv = _inv_freq(dim, base)
+    return inv / factor * (1 - keep) + inv * keep, float(attn)
+
+
 class Rope:
     """cos/sin tables for positions [0, max_len), built lazily on the first device seen."""
 
     def __init__(
-        self, head_dim: int, base: float, max_len: int, scaling: dict[str, Any] | None, max_pos: int
-    ):
-        self.head_dim = head_dim
+        self,
+        dim: int,
+        base: float,
+        max_len: int,
+        scaling: dict[str, Any] | None,
+        max_pos: int,
+    ) -> None:
+        self.dim = dim
         self.base = base
         self.max_len = max_len
         self.max_pos = max_pos  # the model's trained context (dynamic scaling starts past it)
         scaling = dict(scaling or {})
         self.kind = scaling.get("rope_type") or scaling.get("type") or "default"
-        self.factor = float(scaling.get("factor", 1.0))
-        if self.kind not in ("default", "linear", "dynamic", "llama3"):
+        self.factor = float(scaling.get("factor") or 1.0)
+        if self.kind not in KNOWN_SCALING:
             raise ValueError(
-                f"RoPE scaling {self.kind!r} unsupported; known: default, linear, dynamic, llama3"
+                f"RoPE scaling {self.kind!r} unsupported; known: {', '.join(KNOWN_SCALING)}"
             )
-        inv = _inv_freq(head_dim, base)
+        self.attention_factor = 1.0
+        self.long_from = 0  # longrope: sequences longer than this read the long table
+        inv = _inv_freq(dim, base)
+        self.long_inv: torch.Tensor | None = None
         if self.kind == "linear":
             inv = inv / self.factor
         elif self.kind == "llama3":
             inv = _llama3_inv_freq(inv, scaling)
+        elif self.kind == "yarn":
+            inv, self.attention_factor = _yarn(dim, base, scaling, max_pos)
+        elif self.kind == "longrope":
+            orig = int(scaling.get("original_max_position_embeddings") or max_pos)
+            factor = float(scaling.get("factor") or max_pos / orig)
+            attn = scaling.get("attention_factor")
+            if attn is None:
+                attn = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+            self.attention_factor, self.long_from = float(attn), orig
+            # (models are built under torch.device("meta"): tables stay on the CPU)
+            short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+            long = torch.tensor(scaling["long_factor"], dtype=torch.float32, device="cpu")
+            inv, self.long_inv = inv / short, _inv_freq(dim, base) / long
         self.inv_freq = inv
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _table(
-        self, inv_freq: torch.Tensor, length: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(
-            torch.arange(length, dtype=torch.float32, device="cpu"), inv_freq
-        )  # [L, D/2]
-        return freqs.cos().to(device), freqs.sin().to(device)
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[L, D/2] (longrope: [2L, D/2], the long table after the short one)."""
+        pos = torch.arange(self.max_len, dtype=torch.float32, device="cpu")
+        invs = [self.inv_freq] if self.long_inv is None else [self.inv_freq, self.long_inv]
+        freqs = torch.cat([torch.outer(pos, inv) for inv in invs])
+        a = self.attention_factor
+        return (freqs.cos() * a).to(device), (freqs.sin() * a).to(device)
 
-    def cos_sin(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] → cos, sin [T, 1, D/2] (broadcast over heads)."""
-        if self.kind == "dynamic" and seq_len > self.max_pos:
+    def cos_sin(self, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's positions → cos, sin [T, 1, D/2] (broadcast over heads)."""
+        positions = meta.positions
+        if self.kind == "dynamic" and meta.max_seq_len > self.max_pos:
             # NTK-aware: stretch the base with the current context, as HF does per forward.
+            seq_len = meta.max_seq_len
             base = self.base * ((self.factor * seq_len / self.max_pos) - (self.factor - 1)) ** (
-                self.head_dim / (self.head_dim - 2)
+                self.dim / (self.dim - 2)
             )
-            freqs = torch.outer(positions.float().cpu(), _inv_freq(self.head_dim, base))  # [T, D/2]
+            freqs = torch.outer(positions.float().cpu(), _inv_freq(self.dim, base))  # [T, D/2]
             return freqs.cos().to(positions.device)[:, None], freqs.sin().to(positions.device)[
                 :, None
             ]
         if self._tables is None or self._tables[0].device != positions.device:
-            self._tables = self._table(self.inv_freq, self.max_len, positions.device)
+            self._tables = self._table(positions.device)
         cos, sin = self._tables
+        if self.long_inv is not None:
+            # each sequence's length (its whole prompt's while chunked) picks its table
+            long = np.asarray(meta.seq_lens) > self.long_from
+            if long.all():
+                positions = positions + self.max_len
+            elif long.any():  # per token; numpy: torch's repeat_interleave costs ~70 µs
+                offsets = np.repeat(long * self.max_len, meta.extend_lens)
+                positions = positions + torch.from_numpy(offsets).to(positions.device)
         return cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]

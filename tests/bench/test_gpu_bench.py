@@ -14,7 +14,7 @@ from actorlm.gpu.model_info import hf_model_info
 from actorlm.gpu.platforms import estimate_weight_bytes
 
 from bench.gpu import bounds, markdown
-from bench.random_model import LLAMA3_8B, SMOKE, write_model
+from bench.random_weights import LLAMA3_8B, SMOKE, write_model
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "gpu.py"
 

@@ -1,7 +1,9 @@
-"""One real ``actorlm serve`` process shared by every gateway test (startup costs seconds)."""
+"""One real ``actorlm serve`` process shared by every gateway test (startup costs seconds),
+and ``running_server`` for tests that serve a model of their own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -72,16 +74,12 @@ def _status(url: str) -> int:
         return 0
 
 
-@pytest.fixture(scope="package")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextlib.contextmanager
+def running_server(model: Path, log: Path, *args: str) -> Iterator[Server]:
+    """``actorlm serve --model MODEL ARGS...`` on a free port, healthy, stopped on exit."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [
-        sys.executable, "-m", "actorlm.cli", "serve",
-        "--model", str(tiny_llama), "--port", str(port),
-        "--api-key", API_KEY, "--max-queued-requests", str(MAX_QUEUED),
-        "--kv-cache-gb", "0.05", "--drain-timeout-s", "10",
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "actorlm.cli", "serve", "--model", str(model), "--port", str(port),
+           "--api-key", API_KEY, "--kv-cache-gb", "0.05", *args]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(
             cmd,
@@ -90,7 +88,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    srv = Server(proc, f"http://127.0.0.1:{port}", tiny_llama.name, log)
+    srv = Server(proc, f"http://127.0.0.1:{port}", model.name, log)
     health = f"{srv.url}/health"
     seen_503 = False
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -118,3 +116,11 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 for pid in kids:
                     if alive(pid):
                         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="package")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = ("--max-queued-requests", str(MAX_QUEUED), "--drain-timeout-s", "10")
+    with running_server(tiny_llama, log, *args) as srv:
+        yield srv

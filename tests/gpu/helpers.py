@@ -119,3 +119,41 @@ def assert_matches_hf(runner: ModelRunner, ref: Any, prompts: list[list[int]]) -
     for i, prompt in enumerate(prompts):
         assert (ours[i] - hf_last_logits(ref, prompt)).abs().max().item() < 1e-4
     assert greedy(runner, "g", prompts[1], 32, pages) == hf_greedy(ref, prompts[1], 32)
+
+
+# Prompts that run past Gemma's windows (8, 16 tokens) and Phi-3's original context (32).
+PROMPT_A = [(i * 7919) % 40000 + 100 for i in range(41)]
+PROMPT_B = [(i * 104729) % 40000 + 100 for i in range(37)]
+PROMPT_C = PROMPT_A[:32] + [5, 17, 923, 4, 4, 88, 1200, 31, 7]  # A's first two pages, then its own
+PROMPT_D = [42, 4242, 424]
+
+
+def assert_prefill_logits_match(runner: ModelRunner, ref: Any, tol: float = 1e-4) -> None:
+    """Each prompt's last logits within ``tol`` of ``ref``'s, alone and in one ragged batch."""
+    prompts = [PROMPT_A, PROMPT_D, PROMPT_B]
+    want = [hf_last_logits(ref, p) for p in prompts]
+    pages = Pages()
+    batch = runner.run([SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        alone = runner.run([SeqSpec(prompt, 0, pages.table(f"s{i}", len(prompt)))])[0]
+        assert (alone - want[i]).abs().max().item() < tol, f"prompt {i} alone"
+        assert (batch[i] - want[i]).abs().max().item() < tol, f"prompt {i} in the batch"
+
+
+def assert_greedy_matches_everywhere(runner: ModelRunner, ref: Any, steps: int = 32) -> None:
+    """``steps`` greedy tokens equal to ``ref``'s: alone; then three requests decoding in
+    one batch, one extending another's cached prefix, one whose prompt is prefilled in
+    two chunks."""
+    pages = Pages()
+    assert greedy(runner, "a", PROMPT_A, steps, pages) == hf_greedy(ref, PROMPT_A, steps)
+    b, c, d = Seq("b", PROMPT_B, pages), Seq("c", PROMPT_C, pages), Seq("d", PROMPT_D, pages)
+    pages.tables["c"] = pages.tables["a"][:2]  # a's pages, as the radix cache hands them over
+    c.cached = 32
+    run_step(runner, [b, c, d], [b.step(chunk=20), c.step(), d.step()])  # b's first chunk
+    step = 1
+    while any(len(s.out) < steps for s in (b, c, d)):
+        live = [s for s in (d, b, c) if len(s.out) < steps]
+        run_step(runner, live, [s.step() for s in live], step)
+        step += 1
+    for seq in (b, c, d):
+        assert seq.out == hf_greedy(ref, seq.prompt, steps), seq.rid

@@ -98,3 +98,48 @@ def test_build_failure_and_opt_out_fall_back_with_a_warning(
     lib = build(source)  # a fresh cache directory builds it again
     assert lib is not None and len(list((tmp_path / "kernels").glob("*.so"))) == 1
     assert decode_kernel() is not None
+
+
+def reference_decode(
+    pool: KVPool, meta: ForwardMeta, q: torch.Tensor, layer: int, window: int, cap: float = 0.0
+) -> torch.Tensor:
+    """Each sequence's new query over its last ``window`` keys (0: all), read key by key."""
+    B, H, D = q.shape
+    groups = H // pool.num_kv_heads
+    out = []
+    for b in range(B):
+        n = meta.start_pos[b] + 1
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        pages = torch.tensor(meta.page_tables[b])[pos // pool.page_size]
+        slots = pages * pool.page_size + pos % pool.page_size
+        keys = pool.k_slots(layer)[:, slots].repeat_interleave(groups, 0)  # [H, L, D]
+        vals = pool.v_slots(layer)[:, slots].repeat_interleave(groups, 0)
+        scores = torch.einsum("hd,hld->hl", q[b], keys) * D**-0.5
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        out.append(torch.einsum("hl,hld->hd", scores.softmax(-1), vals).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 20, 70])
+def test_windowed_decodes_attend_to_the_last_window_keys(window: int) -> None:
+    torch.manual_seed(3)
+    # windows inside one page, on a page edge, across pages, and longer than some contexts
+    lens = [1, 7, 16, 17, 100, 144, 33]
+    pool, meta, q, k, v = decode_batch(lens, 6, 2, 64, torch.float32)
+    meta.layer_windows = (0, window)  # layer 1 windowed
+    want, got, ours = both(pool, meta, q, k, v, 6)
+    assert ours._kernel is not None
+    ref = reference_decode(pool, meta, q, 1, window)
+    assert (want - ref).abs().max().item() < 1e-5  # the torch backend's window
+    assert (got - ref).abs().max().item() < 1e-5  # the C kernel's
+
+
+def test_softcapped_decodes_take_the_torch_path_and_cap() -> None:
+    torch.manual_seed(4)
+    pool, meta, q, k, v = decode_batch([9, 40, 3], 4, 2, 32, torch.float32, scale_q=20.0)
+    meta.layer_windows, meta.logit_softcap = (0, 8), 5.0
+    want, got, ours = both(pool, meta, q, k, v, 4)
+    assert not meta.attn[8].decode.kernel_args  # the kernel does not cap
+    ref = reference_decode(pool, meta, q, 1, 8, cap=5.0)
+    assert (want - ref).abs().max().item() < 1e-5 and (got - ref).abs().max().item() < 1e-5

@@ -362,3 +362,14 @@ def test_selected_platform_without_its_hardware_stops_the_engine(
     )
     assert "hardware is not available" in done.stderr
     assert "extras.imported" not in os.listdir(tmp_path)  # the platform's plugin never loaded
+
+
+def test_plugin_settings_reach_every_process(engine_run: Run) -> None:
+    """--plugin-config example.greeting=hello: register(settings) got it in the Engine's
+    process and in the tokenizer, scheduler, cache manager and worker."""
+    got = engine_run.pids("settings.greeting=hello")
+    actors = {
+        engine_run.pids(event).pop()
+        for event in ("tokenizer.check", "planner.add", "eviction.priority", "sampler.init")
+    }
+    assert len(actors) == 4 and got == actors | {engine_run.out["pid"]}

@@ -30,7 +30,9 @@ def test_groups_match_the_torch_backends_view(page_size: int) -> None:
     step = ragged_step(MIXED, 4, 2, 64, page_size, torch.float32, CPU)
     meta = rebuild(step)
     TorchNativeBackend(step.pool, 4, 64).init_forward_metadata(meta)
-    ref = meta.attn  # the torch backend's plan: a decode group and one entry per prefill
+    ref = meta.attn[
+        0
+    ]  # the torch backend's plan (no window): a decode group, one entry per prefill
     decodes, extends = split_decodes(meta)
     dec = paged_kv(meta, decodes)
     assert dec.seqs.tolist() == decodes and ref.decode.seq_lens == dec.kv_lens.tolist()

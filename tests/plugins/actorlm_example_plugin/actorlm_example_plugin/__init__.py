@@ -1,9 +1,10 @@
 """An actorlm plugin with one example of every extension point.
 
-``register()`` runs once in every actor process before the actor starts, and
-only registers. Implementations are named by dotted path and imported where
+``register(settings)`` runs once in every actor process before the actor starts,
+and only registers. Implementations are named by dotted path and imported where
 they are used (the model only in the worker). Hooks are the exception: applying
 them imports their targets, here the worker's sampler (torch), in every process.
+``settings`` are this plugin's ``--plugin-config example.KEY=VALUE`` values.
 """
 
 from __future__ import annotations
@@ -16,20 +17,34 @@ from actorlm.extensions.points import (
     MODELS,
     WEIGHT_LOADERS,
 )
+from actorlm.extensions.settings import PluginSettings
 
-__all__ = ["register"]
+from .record import record
+
+__all__ = ["REQUIRES_API", "register"]
+
+REQUIRES_API = 1  # the plugin API this was written for (actorlm.extensions.API_VERSION)
 
 _PKG = "actorlm_example_plugin"
 
 
-def register() -> None:
+def register(settings: PluginSettings) -> None:
     # Hooks and interceptors register themselves when their module is imported.
     from . import hooks, interceptors  # noqa: F401
+
+    greeting = settings.get_str("greeting", "")
+    if greeting:
+        record(f"settings.greeting={greeting}")
 
     MODELS.register(
         "ExampleLlamaForCausalLM",
         f"{_PKG}.model:ExampleLlamaForCausalLM",
         help="the built-in Llama under a new architecture name",
+    )
+    MODELS.register(
+        "Qwen2MoeForCausalLM",
+        f"{_PKG}.moe:Qwen2MoeForCausalLM",
+        help="Qwen2-MoE, from actorlm's MoE layer",
     )
     ATTENTION_BACKENDS.register(
         "example_counting",

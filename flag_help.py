@@ -1,0 +1,76 @@
+"""One line per ``actorlm serve`` / ``actorlm actor`` flag: what it does (the default
+is added from the config). Every config field has one (a test checks), grouped as the
+design's sections are."""
+
+from __future__ import annotations
+
+__all__ = ["FLAG_HELP", "GROUP_TITLES"]
+
+GROUP_TITLES = {
+    "model": "model",
+    "scheduler": "scheduling",
+    "cache": "cache",
+    "server": "HTTP and request limits",
+    "deploy": "deployment and liveness",
+}
+
+FLAG_HELP: dict[str, str] = {
+    # model
+    "path": "HF folder or .gguf file to serve (empty: the embedded SmolLM2-135M-Instruct)",
+    "load_format": "weight loader: auto, safetensors, layered, gguf, or a plugin's",
+    "model_impl": "auto (native where registered, else transformers), native or transformers",
+    "dtype": "auto (bf16 where the device has native bf16, else fp32), float32, bfloat16, ...",
+    "device": "torch device for the worker (empty: the platform's)",
+    "attention_backend": "attention backend (empty: the platform's default; see actorlm plugins)",
+    "quantization": "linear method: none, fp16, gguf, or a plugin's (empty: the platform's)",
+    "page_size": "tokens per KV-cache page",
+    "kv_cache_gb": "memory budget of the paged KV pool in GiB (0: the platform's)",
+    "mem_fraction_static": "CUDA: share of free device memory for weights and KV pool",
+    "num_pages": "KV pool size in pages (0: from the memory budget)",
+    "max_model_len": "context length (0: the model's)",
+    "vocab_size": "vocabulary size (0: the model's; filled at start)",
+    "num_threads": "torch threads in the worker (0: every core it may use)",
+    "served_model_name": "the model's name in the API (empty: the folder or file name)",
+    "seed": "the worker's random seed",
+    "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying graphs",
+    "cuda_graph_max_bs": "CUDA: the largest decode batch captured as a graph",
+    # scheduling
+    "policy": "admission order: fcfs, lpm (longest cached prefix first) or priority",
+    "max_running_requests": "requests in the running batch at most",
+    "max_prefill_tokens": "prompt tokens computed per step, chunked beyond (0: the platform's)",
+    "max_queued_requests": "requests queued or running at most; more get 429/503 (0: no limit)",
+    "max_queue_time_s": "a request not started after this long fails (0: --request-timeout-s)",
+    "step_timeout_s": "a forward step taking longer than this fails its requests",
+    "on_worker_loss": "running requests when the worker is lost: fail, or recompute them",
+    "disable_overlap_schedule": "plan each step after the previous one returns (no overlap)",
+    # cache
+    "enable_prefix_cache": "share KV pages between prompts with a common prefix",
+    "eviction_policy": "which cached pages go first: lru, lfu, fifo, ... or a plugin's",
+    "hicache_storage_backend": "a storage tier for KV pages (file, or a plugin's; empty: none)",
+    "hicache_storage_dir": "where the file tier keeps its pages",
+    # HTTP and request limits
+    "host": "address the HTTP server listens on",
+    "port": "port of the HTTP server",
+    "api_key": "clients must send 'Authorization: Bearer KEY' (empty: no key)",
+    "admin_api_key": "control routes (abort, flush, adapters) need this key instead",
+    "max_body_bytes": "largest request body, after decompression",
+    "max_n": "most completions one request may ask for (n times its prompts)",
+    "trust_request_chat_template": "let requests bring their own chat template (code!)",
+    "chat_template_timeout_s": "a chat template render taking longer fails its request",
+    "max_prompt_chars": "longer prompts are refused before tokenizing (0: 64 x the context)",
+    "drain_timeout_s": "on SIGTERM, how long requests in flight may still run",
+    # deployment and liveness
+    "transport": "how actors talk under serve: ipc (default), tcp, or inproc",
+    "run_dir": "folder for ipc sockets (empty: a fresh owner-only temporary one)",
+    "heartbeat_s": "how often each actor tells its peers it is alive",
+    "peer_timeout_s": "a peer silent this long is down (a hung child is killed)",
+    "request_timeout_s": "how long one actor waits for another's answer",
+    "start_timeout_s": "how long to wait for every actor to be ready",
+    "max_message_bytes": "largest message an actor accepts",
+    "restart_policy": "on-failure: restart a dead actor (serve); never: leave it down",
+    "max_restarts": "restarts of one role within --restart-window-s, then it stays down",
+    "restart_window_s": "the window --max-restarts counts in",
+    "restart_backoff_s": "wait before the first restart, doubling each time up to 10 s",
+    "keys_dir": "CurveZMQ keys (actorlm keys DIR) for every tcp socket",
+    "insecure": "allow tcp beyond loopback without keys: anyone reaching a port commands",
+}
