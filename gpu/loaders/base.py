@@ -103,15 +103,14 @@ def load_model(
 ) -> tuple[Any, ModelInfo]:
     """Build the registered model for the file at ``cfg.path`` and load its weights."""
     from ..models.registry import build_fallback, build_model, resolve_model_impl
+    from ..platforms import resolve_dtype
 
     loader = loader or make_loader(cfg)
     info = loader.model_info()
-    device, dtype = torch.device(cfg.device or "cpu"), getattr(torch, cfg.dtype)
+    device = torch.device(cfg.device or "cpu")
+    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))  # "auto": the platform's
     if resolve_model_impl(info.architecture, cfg.model_impl) == "transformers":
         return build_fallback(loader.path, info, dtype, device), info
     model = build_model(info, max_model_len)
-    from ..platforms import resolve_dtype
-
-    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))  # "auto": the platform's
     loader.load(model, device, dtype)
     return model, info
