@@ -32,15 +32,6 @@ void actorlm_rms_norm(const float *x, int64_t x_stride, float *residual, int64_t
     }
 }
 
-/* silu(g) = g * sigmoid(g), with exp taken of -|g| only (exp8's domain, no overflow). */
-static inline v8f silu8(v8f g) {
-    const v8f zero = {0};
-    const v8i sign = (v8i){0} + INT32_MIN, neg = g < zero;
-    const v8f e = exp8((v8f)((v8i)g | sign)); /* exp(-|g|) */
-    const v8f sig_pos = 1.f / (1.f + e), sig_neg = e / (1.f + e);
-    return g * (v8f)(((v8i)sig_neg & neg) | ((v8i)sig_pos & ~neg));
-}
-
 /* out[r] = silu(x[r, :d]) * x[r, d:2d]. */
 void actorlm_silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride,
                           int64_t rows, int64_t d, int threads) {
