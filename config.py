@@ -24,7 +24,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     path: str = ""  # HF folder or .gguf file; "" = the embedded default model
     load_format: str = "auto"  # auto | safetensors | layered | gguf | a plugin's name
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto (the platform's: bf16 on CPUs with native bf16) | float32 | bfloat16
     device: str = ""  # "" = the active platform's device
     attention_backend: str = ""  # "" = the platform's default
     quantization: str = ""  # none | fp16 | a plugin's; "" = the platform's default
@@ -33,6 +33,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_pages: int = 0  # 0 = derive from kv_cache_gb
     max_model_len: int = 0  # 0 = from the model's config
     num_threads: int = 0  # torch threads in the worker; 0 = all cores
+    fused_decode_max_batch: int = (
+        8  # CPU: decode steps up to this batch as one native call; 0 = off
+    )
     served_model_name: str = ""
     seed: int = 0
 

@@ -18,6 +18,7 @@ from actorlm.messages.step import ForwardBatch, SeqError, SeqStep, StepResult
 
 from . import attention  # noqa: F401  (registers the built-in backends)
 from .forward_meta import ForwardMeta, SeqSpec
+from .fused_decode import FusedDecoder
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .quantization import quantize_model
@@ -31,6 +32,9 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig) -> None:
         torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
         torch.manual_seed(cfg.seed)
+        platform = current_platform()
+        if cfg.dtype == "auto":
+            cfg = msgspec.structs.replace(cfg, dtype=platform.default_dtype())
         self.cfg = cfg
         self.device = torch.device(cfg.device or "cpu")
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
@@ -45,13 +49,20 @@ class ModelRunner:
             max_len = info.sliding_window
         method = QUANTIZATION_METHODS.get(cfg.quantization or "none")()
         method.check(self.device, self.dtype)
-        self.model, _ = load_model(cfg, max_model_len=max_len, loader=loader)
+        load_dtype = method.load_dtype(self.dtype)
+        self.model, _ = load_model(
+            msgspec.structs.replace(cfg, dtype=str(load_dtype).removeprefix("torch.")),
+            max_model_len=max_len,
+            loader=loader,
+        )
         if converted := quantize_model(self.model, method):
             log.info("quantization %s: %d linear layers converted", method.name, converted)
+        if load_dtype != self.dtype:
+            self.model.to(self.dtype)  # what the method left unconverted (embeddings, norms)
         num_pages = cfg.num_pages or kv_pages_for_budget(
             info, cfg.kv_cache_gb * 2**30, cfg.page_size, cfg.dtype
         )
-        pool_cls = import_object(current_platform().kv_pool_class)  # KVPool on the CPU
+        pool_cls = import_object(platform.kv_pool_class)  # KVPool on the CPU
         self.pool = pool_cls(
             info.num_layers,
             num_pages,
@@ -67,9 +78,7 @@ class ModelRunner:
             cfg.page_size,
             self.pool.nbytes / 2**20,
         )
-        self.attention_backend = (
-            cfg.attention_backend or current_platform().default_attention_backend()
-        )
+        self.attention_backend = cfg.attention_backend or platform.default_attention_backend()
         backend_cls = ATTENTION_BACKENDS.get(self.attention_backend)
         self.backend = backend_cls(self.pool, info.num_heads, info.head_dim)
         self.info: ModelInfo = msgspec.structs.replace(
@@ -82,6 +91,17 @@ class ModelRunner:
         from .sampling import Sampler
 
         self.sampler = Sampler(info.vocab_size, self.device)
+        self.fused, why = FusedDecoder.build(
+            self.model, self.pool, self.backend.scale, cfg.fused_decode_max_batch
+        )
+        log.info(
+            "dtype %s, kernels %s; decode %s",
+            cfg.dtype,
+            platform.kernel_isa(),
+            f"steps of <= {self.fused.max_batch} sequences as one native call"
+            if self.fused
+            else f"through the model ({why})",
+        )
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
@@ -127,6 +147,8 @@ class ModelRunner:
                 raise ValueError(
                     f"page id {max(s.page_ids)} out of range (pool has {self.pool.num_pages})"
                 )
+        if self.fused is not None and self.fused.accepts(seqs):
+            return self.fused.run(seqs)
         meta = ForwardMeta.build(seqs, self.pool.page_size, self.device)
         self.backend.init_forward_metadata(meta)
         return self.model(meta, self.backend)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..kernels.attention import decode_kernel
+from ..kernels.step import native_step
 from .torch_native import TorchNativeBackend, _Decode
 
 __all__ = ["CpuBackend"]
@@ -32,8 +33,13 @@ class CpuBackend(TorchNativeBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         pool = self.pool
-        ok = pool.device.type == "cpu" and pool.dtype == torch.float32
-        self._kernel = decode_kernel() if ok else None
+        cpu = pool.device.type == "cpu"
+        self._bf16 = cpu and pool.dtype == torch.bfloat16
+        if self._bf16:  # cpu_step.c reads bf16 pages; q and out go through fp32
+            lib = native_step()
+            self._kernel = None if lib is None else lib.actorlm_paged_decode_kv
+        else:
+            self._kernel = decode_kernel() if cpu and pool.dtype == torch.float32 else None
         if self._kernel is None:
             log.info("cpu attention: decodes take the torch path (%s)", pool.dtype)
 
@@ -48,17 +54,21 @@ class CpuBackend(TorchNativeBackend):
         if self._kernel is None:
             return super()._decode(q, layer, d)
         qd = q[d.rows]  # [B, H, D]
+        if self._bf16:
+            qd = qd.float()
         if qd.stride(2) != 1 or qd.stride(1) != self.head_dim:
             qd = qd.contiguous()
         table, lens = d.kernel_args
         B, H, D = d.batch, self.num_heads, self.head_dim
-        out = q.new_empty(B, H * D)
+        out = qd.new_empty(B, H * D)
         pool = self.pool
+        kv = (1,) if self._bf16 else ()
         rc = self._kernel(
             qd.data_ptr(),
             qd.stride(0),
             pool.k_pages(layer).data_ptr(),
             pool.v_pages(layer).data_ptr(),
+            *kv,
             pool.num_pages,
             table.data_ptr(),
             table.shape[1],
@@ -75,4 +85,4 @@ class CpuBackend(TorchNativeBackend):
         )
         if rc != 0:
             raise MemoryError("cpu decode attention: out of memory for its scratch")
-        return out
+        return out.to(q.dtype)

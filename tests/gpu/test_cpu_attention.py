@@ -72,9 +72,28 @@ def test_kernel_softmax_is_exact_on_peaked_and_long_contexts() -> None:
     assert (got - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 12)])
+def test_bf16_pools_take_the_bf16_kernel(heads: int, kv_heads: int, dim: int) -> None:
+    """fp32 arithmetic on the pool's bf16 values: within float rounding of fp32 SDPA on
+    the same values, then rounded once to bf16 (relative 2^-8)."""
+    torch.manual_seed(2)
+    pool, meta, q, k, v = decode_batch([5, 40, 17, 300], heads, kv_heads, dim, torch.bfloat16)
+    pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
+    pool32.kv.copy_(pool.kv)
+    ref = TorchNativeBackend(pool32, heads, dim)
+    ref.init_forward_metadata(meta)
+    want = ref.forward(q.float(), k.float(), v.float(), 1, meta)
+    ours = CpuBackend(pool, heads, dim)
+    assert ours._kernel is not None
+    ours.init_forward_metadata(meta)
+    got = ours.forward(q, k, v, 1, meta)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5)
+
+
 def test_other_dtypes_take_the_torch_path() -> None:
     torch.manual_seed(2)
-    pool, meta, q, k, v = decode_batch([5, 40], 4, 2, 16, torch.bfloat16)
+    pool, meta, q, k, v = decode_batch([5, 40], 4, 2, 16, torch.float16)
     want, got, ours = both(pool, meta, q, k, v, 4)
     assert ours._kernel is None
     assert torch.equal(got, want)

@@ -1,0 +1,155 @@
+"""Decode steps as one native call (``kernels/step.py`` over ``cpu_step.c``), for any
+model that describes itself as a Llama-shaped decoder.
+
+A decode step at batch 1-8 through the model's Python is ~300 small kernel calls,
+each a dispatch and a thread fork/join; they cost more than the weights take to
+read. ``FusedDecoder`` reads the model's weights once, as descriptors of what its
+linear method left (GGUF blocks, fp16/bf16/fp32 rows), and then serves every step
+whose sequences all decode one token from the step's token ids, positions and page
+tables alone: the model's Python runs once, as a CUDA graph is captured once.
+Other steps (prefill, extend, mixed, larger batches) take the model's forward.
+
+A model family opts in with ``register_spec(ModelClass, fn)``: ``fn(model)`` returns
+its ``StepWeights`` (kernels/step.py), or None when this instance cannot be fused
+(another layer shape, a sliding window, a linear method the kernels cannot read).
+Only the exact class registered is fused: a subclass that changes the layer math
+(Qwen3's q/k norms, Gemma's norms) is never taken for its parent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .forward_meta import SeqSpec
+from .kernels.step import DecodeStep, LayerWeights, StepWeights, native_step
+from .kv_pool import KVPool
+from .models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from .quantization import native_lin
+
+__all__ = ["FusedDecoder", "register_spec"]
+
+log = logging.getLogger(__name__)
+
+_SPECS: dict[type, Callable[[Any], StepWeights | None]] = {}
+
+
+def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> None:
+    """Let ``model_cls`` (exactly) decode through the fused step, described by ``fn``."""
+    _SPECS[model_cls] = fn
+
+
+def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
+    """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2) as step weights."""
+    info = model.info
+    if info.sliding_window:
+        return None  # the kernel attends to the whole context
+    layers = []
+    for layer in model.model.layers:
+        if (type(layer), type(layer.self_attn), type(layer.mlp)) != (DecoderLayer, Attention, MLP):
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.eps != info.rms_norm_eps for n in norms):
+            return None
+        lins = [
+            native_lin(m)
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj)
+        ]  # fmt: skip
+        if any(lin is None for lin in lins):
+            return None
+        qkv, o, gate_up, down = lins
+        layers.append(LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight))  # type: ignore[arg-type]
+    if model.head is not None:
+        head_module: nn.Module | None = model.head
+    elif not model.tied:
+        head_module = model.lm_head
+    else:
+        head_module = None
+    if head_module is not None:
+        head = native_lin(head_module)
+    else:
+        from .kernels.qgemm import lin_dense
+
+        head = lin_dense(model.lm_head_weight())
+    if head is None or type(model.model.norm) is not RMSNorm:
+        return None
+    return StepWeights(
+        embed=model.model.embed_tokens.weight.data,
+        layers=layers,
+        final_norm=model.model.norm.weight,
+        head=head,
+        eps=info.rms_norm_eps,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+    )
+
+
+register_spec(LlamaForCausalLM, llama_spec)
+
+
+class FusedDecoder:
+    """Serves decode-only steps of up to ``max_batch`` sequences in one native call."""
+
+    def __init__(
+        self, model: Any, step: DecodeStep, page_size: int, max_batch: int, level: str
+    ) -> None:
+        self.model = model
+        self.step = step
+        self.page_size = page_size
+        self.max_batch = max_batch
+        self.isa = level
+
+    @classmethod
+    def build(
+        cls, model: Any, pool: KVPool, scale: float, max_batch: int, level: str = ""
+    ) -> tuple[FusedDecoder | None, str]:
+        """The decoder, or None and the reason it cannot serve this model here."""
+        if max_batch <= 0:
+            return None, "turned off"
+        spec = _SPECS.get(type(model))
+        if spec is None:
+            return None, f"{type(model).__name__} registers no fused step"
+        if type(pool) is not KVPool or pool.device.type != "cpu":
+            return None, f"{type(pool).__name__} on {pool.device}"
+        if native_step(level) is None:
+            return None, "no C compiler"
+        weights = spec(model)
+        if weights is None:
+            return None, "this model's layers or linear method"
+        if why := weights.check():
+            return None, why
+        step = DecodeStep(weights, pool.kv, pool.page_size, scale, level)
+        from .kernels import native
+
+        return cls(model, step, pool.page_size, max_batch, level or native.best_isa().name), ""
+
+    def accepts(self, seqs: Sequence[SeqSpec]) -> bool:
+        """Whether the step is this decoder's: every sequence decodes one token and is sampled."""
+        return 0 < len(seqs) <= self.max_batch and all(
+            len(s.input_ids) == 1 and s.sample for s in seqs
+        )
+
+    def run(self, seqs: Sequence[SeqSpec]) -> torch.Tensor:
+        """Logits [B, vocab] fp32 of one decode token per sequence; K and V go to the pool."""
+        B, ps = len(seqs), self.page_size
+        tokens = np.fromiter((s.input_ids[0] for s in seqs), np.int64, B)
+        pos = np.fromiter((s.start_pos for s in seqs), np.int64, B)
+        lens = pos + 1
+        width = int(-(-lens.max() // ps))
+        pages = np.zeros((B, width), np.int64)
+        for b, s in enumerate(seqs):
+            n = -(-int(lens[b]) // ps)
+            pages[b, :n] = s.page_ids[:n]
+        slots = pages[np.arange(B), pos // ps] * ps + pos % ps
+        cos, sin = self.model.rope.cos_sin(torch.from_numpy(pos), int(lens.max()))
+        half = cos.shape[-1]
+        cos = cos.reshape(B, half).to(torch.float32).contiguous()
+        sin = sin.reshape(B, half).to(torch.float32).contiguous()
+        return self.step(tokens, cos, sin, slots, pages, lens)
