@@ -109,5 +109,10 @@ def load_model(
     loader = loader or make_loader(cfg)
     info = loader.model_info()
     model = build_model(info, max_model_len)
-    loader.load(model, torch.device(cfg.device or "cpu"), getattr(torch, cfg.dtype))
+    dtype = cfg.dtype
+    if dtype == "auto":
+        from actorlm.extensions.plugins import current_platform
+
+        dtype = current_platform().default_dtype()
+    loader.load(model, torch.device(cfg.device or "cpu"), getattr(torch, dtype))
     return model, info

@@ -17,7 +17,14 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=1 << 20
 
 
 def make_runner(path: Path | str, **overrides: Any) -> ModelRunner:
-    opts: dict[str, Any] = {"path": str(path), "num_pages": 256, "page_size": 16}
+    """A runner in float32 unless told otherwise (``dtype="auto"`` picks bf16 on CPUs with
+    native bf16, and these tests compare with fp32 transformers)."""
+    opts: dict[str, Any] = {
+        "path": str(path),
+        "num_pages": 256,
+        "page_size": 16,
+        "dtype": "float32",
+    }
     opts.update(overrides)
     return ModelRunner(ModelConfig(**opts))
 
