@@ -124,5 +124,6 @@ def assert_matches_hf(runner: ModelRunner, ref: Any, prompts: list[list[int]]) -
     pages = Pages()
     ours = runner.run([SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
-        assert (ours[i] - hf_last_logits(ref, prompt)).abs().max().item() < 1e-4
+        d = (ours[i] - hf_last_logits(ref, prompt)).abs().max().item()
+        assert d < 1e-4, d
     assert greedy(runner, "g", prompts[1], 32, pages) == hf_greedy(ref, prompts[1], 32)

@@ -139,3 +139,16 @@ def test_models_it_cannot_describe_keep_their_forward(
     assert windowed.fused is None
     decoder, why = FusedDecoder.build(object(), windowed.pool, 1.0, 8)
     assert decoder is None and "registers no fused step" in why
+
+
+def test_results_do_not_depend_on_the_thread_count(tiny_llama: Path) -> None:
+    """Each output column and each (sequence, head) is one thread's whole job, and the
+    norms are computed alike by every thread: 1 or 3 threads give the same bits."""
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 3):
+            out.append(decode_steps(make_runner(tiny_llama, num_threads=threads), PROMPTS, 3)[0])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
