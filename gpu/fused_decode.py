@@ -26,6 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .attention.base import AttentionBackend
+from .attention.cpu import CpuBackend
+from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.step import DecodeStep, LayerWeights, StepWeights, native_step
 from .kv_pool import KVPool
@@ -108,11 +111,16 @@ class FusedDecoder:
 
     @classmethod
     def build(
-        cls, model: Any, pool: KVPool, scale: float, max_batch: int, level: str = ""
+        cls, model: Any, backend: AttentionBackend, max_batch: int, level: str = ""
     ) -> tuple[FusedDecoder | None, str]:
-        """The decoder, or None and the reason it cannot serve this model here."""
+        """The decoder over ``backend``'s pool, or None and the reason it cannot serve
+        this model here. Only the built-in backends: the step attends as they do, and a
+        plugin's backend must see every step it was chosen for."""
         if max_batch <= 0:
             return None, "turned off"
+        if type(backend) not in (CpuBackend, TorchNativeBackend):
+            return None, f"attention backend {type(backend).__name__}"
+        pool, scale = backend.pool, backend.scale
         spec = _SPECS.get(type(model))
         if spec is None:
             return None, f"{type(model).__name__} registers no fused step"

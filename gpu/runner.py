@@ -91,9 +91,7 @@ class ModelRunner:
         from .sampling import Sampler
 
         self.sampler = Sampler(info.vocab_size, self.device)
-        self.fused, why = FusedDecoder.build(
-            self.model, self.pool, self.backend.scale, cfg.fused_decode_max_batch
-        )
+        self.fused, why = FusedDecoder.build(self.model, self.backend, cfg.fused_decode_max_batch)
         log.info(
             "dtype %s, kernels %s; decode %s",
             cfg.dtype,

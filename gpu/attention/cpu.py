@@ -8,8 +8,11 @@ went from ~160 to ~110 ms with the LM head change beside it (bench/forward.py).
 Its scores take 8 keys at a time and its weighted sum of values keeps the
 accumulators in registers, so long contexts run at the memory's speed: at batch 8
 with 1,000-token contexts a decode step of the default model went from ~95 to ~65 ms.
-Prefills, and anything the kernel does not cover (other dtypes or devices, no C
-compiler), take the torch path unchanged.
+A bf16 pool decodes through ``cpu_step.c``'s kernel of the same shape (``attend.h``:
+K and V widened as read, q and the output through fp32). Prefills, and anything the
+kernels do not cover (other dtypes or devices, no C compiler), take the torch path
+unchanged. (Decode-only steps of small batches skip the backend altogether: the fused
+step, ``gpu/fused_decode.py``, attends inside its one native call.)
 """
 
 from __future__ import annotations

@@ -289,7 +289,9 @@ def test_cpu_platform_describes_this_machine() -> None:
     budget = platform.adjust_defaults(unset).scheduler.max_prefill_tokens
     assert budget == min(2048, max(256, 128 * cores))  # ~0.5 s of prefill a step
     chosen = EngineConfig(
-        model=ModelConfig(device="cpu", attention_backend="x", page_size=4, quantization="none"),
+        model=ModelConfig(
+            device="cpu", attention_backend="x", page_size=4, quantization="none", dtype="float32"
+        ),
         scheduler=SchedulerConfig(max_prefill_tokens=4096),
     )
     assert platform.adjust_defaults(chosen) is chosen  # what the user chose stays

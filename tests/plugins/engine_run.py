@@ -52,6 +52,7 @@ def main() -> None:
         hicache_storage_dir=storage_dir,
         num_pages=32,  # 512 tokens: the six prompts below cannot all stay cached
         page_size=16,
+        dtype="float32",  # compared with fp32 transformers (auto is bf16 on some CPUs)
     ) as engine:
         out["reference_prompt"] = prompts[0][:32]
         out["reference"] = _out(engine.generate(prompts[0][:32], {**greedy, "max_new_tokens": 6}))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from actorlm.gpu.attention.torch_native import TorchNativeBackend
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.fused_decode import FusedDecoder
 from actorlm.gpu.kernels.step import native_step
@@ -61,9 +62,7 @@ PROMPTS = [list(range(100, 141)), [5, 17, 923, 4, 4, 88, 1200, 31, 7], [42], lis
 def assert_fused_matches_model(path: Path, level: str = "", **opts: object) -> ModelRunner:
     fused = make_runner(path, **opts)
     if level:
-        fused.fused, why = FusedDecoder.build(
-            fused.model, fused.pool, fused.backend.scale, 8, level
-        )
+        fused.fused, why = FusedDecoder.build(fused.model, fused.backend, 8, level)
         assert fused.fused is not None, why
     plain = make_runner(path, fused_decode_max_batch=0, **opts)
     assert fused.fused is not None and plain.fused is None
@@ -137,8 +136,18 @@ def test_models_it_cannot_describe_keep_their_forward(
 ) -> None:
     windowed = make_runner(tiny_model_factory("mistral", sliding_window=64))
     assert windowed.fused is None
-    decoder, why = FusedDecoder.build(object(), windowed.pool, 1.0, 8)
+    decoder, why = FusedDecoder.build(object(), windowed.backend, 8)
     assert decoder is None and "registers no fused step" in why
+
+
+def test_a_plugins_attention_backend_sees_every_step(tiny_llama: Path) -> None:
+    class Recording(TorchNativeBackend):
+        pass
+
+    runner = make_runner(tiny_llama)
+    backend = Recording(runner.pool, runner.info.num_heads, runner.info.head_dim)
+    decoder, why = FusedDecoder.build(runner.model, backend, 8)
+    assert decoder is None and why == "attention backend Recording"
 
 
 def test_results_do_not_depend_on_the_thread_count(tiny_llama: Path) -> None:
