@@ -19,6 +19,7 @@ Only the exact class registered is fused: a subclass that changes the layer math
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from .kv_pool import KVPool
 from .models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
 from .quantization import native_lin
 
-__all__ = ["FusedDecoder", "register_spec"]
+__all__ = ["FusedDecoder", "ThreadChooser", "register_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,42 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
 register_spec(LlamaForCausalLM, llama_spec)
 
 
+class ThreadChooser:
+    """The team size for each batch size, by measured step time: all of torch's threads,
+    or half of them. A thread team is only as fast as its slowest member, and on a
+    machine shared with other busy processes one of the team often waits for a core
+    (seen on the 2-core VM: batch-1 steps took 10 ms on one thread, 33 ms on two, while
+    other jobs ran; 4-5 ms and ~3 ms when it was quiet). Every ``EXPLORE``-th step of a
+    batch size tries the size it is not using, so the choice follows the load; the
+    results are the same bits either way."""
+
+    EXPLORE = 16
+    DECAY = 0.5  # of the moving average of step times: a few looks follow a change
+
+    def __init__(self) -> None:
+        self._ema: dict[tuple[int, int], float] = {}
+        self._steps: dict[int, int] = {}
+
+    def options(self) -> list[int]:
+        threads = torch.get_num_threads()
+        return sorted({threads, max(1, threads // 2)}, reverse=True)
+
+    def pick(self, batch: int) -> int:
+        options = self.options()
+        n = self._steps[batch] = self._steps.get(batch, 0) + 1
+        untried = [t for t in options if (batch, t) not in self._ema]
+        if untried:
+            return untried[0]
+        ranked = sorted(options, key=lambda t: self._ema[batch, t])
+        return ranked[-1] if n % self.EXPLORE == 0 else ranked[0]
+
+    def record(self, batch: int, threads: int, seconds: float) -> None:
+        old = self._ema.get((batch, threads))
+        self._ema[batch, threads] = (
+            seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        )
+
+
 class FusedDecoder:
     """Serves decode-only steps of up to ``max_batch`` sequences in one native call."""
 
@@ -108,6 +145,7 @@ class FusedDecoder:
         self.page_size = page_size
         self.max_batch = max_batch
         self.isa = level
+        self.threads = ThreadChooser()
 
     @classmethod
     def build(
@@ -160,4 +198,8 @@ class FusedDecoder:
         half = cos.shape[-1]
         cos = cos.reshape(B, half).to(torch.float32).contiguous()
         sin = sin.reshape(B, half).to(torch.float32).contiguous()
-        return self.step(tokens, cos, sin, slots, pages, lens)
+        threads = self.threads.pick(B)
+        t0 = time.perf_counter()
+        logits = self.step(tokens, cos, sin, slots, pages, lens, threads)
+        self.threads.record(B, threads, time.perf_counter() - t0)
+        return logits

@@ -183,15 +183,17 @@ class DecodeStep:
         slots: np.ndarray,
         pages: np.ndarray,
         seq_lens: np.ndarray,
+        threads: int = 0,
     ) -> torch.Tensor:
         """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
-        [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V)."""
+        [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
+        ``threads`` threads (default torch's count; the results do not depend on it)."""
         B = tokens.shape[0]
         logits = torch.empty(B, self.vocab)
         rc = self._fn(
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
-            int(seq_lens.max()), logits.data_ptr(), torch.get_num_threads(),
+            int(seq_lens.max()), logits.data_ptr(), threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode step: out of memory for its scratch")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from actorlm.gpu.attention.torch_native import TorchNativeBackend
 from actorlm.gpu.forward_meta import SeqSpec
-from actorlm.gpu.fused_decode import FusedDecoder
+from actorlm.gpu.fused_decode import FusedDecoder, ThreadChooser
 from actorlm.gpu.kernels.step import native_step
 from actorlm.gpu.quantization import fbgemm_available
 from actorlm.gpu.runner import ModelRunner
@@ -161,3 +161,27 @@ def test_results_do_not_depend_on_the_thread_count(tiny_llama: Path) -> None:
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+def test_the_team_size_follows_the_measured_step_times() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        chooser = ThreadChooser()
+        assert chooser.options() == [4, 2]
+        slow = {4: 0.010, 2: 0.004}  # a busy machine: the smaller team is faster
+        picks = []
+        for _ in range(64):
+            t = chooser.pick(1)
+            picks.append(t)
+            chooser.record(1, t, slow[t])
+        assert picks[:2] == [4, 2]  # each tried once
+        assert picks.count(4) == 1 + 64 // ThreadChooser.EXPLORE  # then only to look again
+        quiet = {4: 0.002, 2: 0.004}  # the load went away
+        for _ in range(64):
+            t = chooser.pick(1)
+            chooser.record(1, t, quiet[t])
+        assert chooser.pick(1) == 4
+        assert chooser.pick(3) == 4  # each batch size learns on its own
+    finally:
+        torch.set_num_threads(before)
