@@ -37,6 +37,7 @@ class _Prefill:
     start_pos: int
     pages: torch.Tensor | None  # [P] page ids covering the prefix + chunk; None: fresh prompt
     mask: torch.Tensor | None  # [n, start_pos + n] bool, True = attend
+    kernel_args: tuple[torch.Tensor, ...] = ()  # what a subclass's prefill kernel reads
 
 
 @dataclass
@@ -100,11 +101,19 @@ class TorchNativeBackend(AttentionBackend):
                 causal = torch.arange(total, device=device)[None, :] <= (
                     torch.arange(n, device=device)[:, None] + start
                 )
-            prefills.append(_Prefill(slice(r0, r0 + n), start, page_ids, causal))
+            prefills.append(
+                self._plan_prefill(
+                    _Prefill(slice(r0, r0 + n), start, page_ids, causal), meta.page_tables[i]
+                )
+            )
         whole = (decode is not None and not prefills and isinstance(decode.rows, slice)) or (
             decode is None and len(prefills) == 1
         )
         meta.attn = _Plan(decode, prefills, whole)
+
+    def _plan_prefill(self, p: _Prefill, page_table: list[int]) -> _Prefill:
+        """A subclass's hook to add what its prefill kernel reads (the torch path needs nothing)."""
+        return p
 
     def _plan_decode(self, d: _Decode) -> _Decode:
         """Add the gather rows and the padding mask ``_decode`` uses."""

@@ -13,9 +13,6 @@
 #include <string.h>
 #include "simd.h"
 
-typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
-typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
-
 static inline __attribute__((always_inline)) v8f kv_load8(const int bf16, const void *p,
                                                           int64_t off) {
     if (bf16) return (v8f)(__builtin_convertvector(*(const v8h *)((const uint16_t *)p + off), v8u) << 16);

@@ -80,15 +80,24 @@ void actorlm_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residu
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *src = x + r * x_stride;
         uint16_t *o = out + r * out_stride;
+        int64_t i = 0;
         if (residual) {
             uint16_t *res = residual + r * res_stride;
-            for (int64_t i = 0; i < dim; i++) res[i] = f32_bf16(bf16_f32(res[i]) + bf16_f32(src[i]));
+            for (; i + 8 <= dim; i += 8) store8_bf16(res + i, load8_bf16(res + i) + load8_bf16(src + i));
+            for (; i < dim; i++) res[i] = f32_bf16(bf16_f32(res[i]) + bf16_f32(src[i]));
             src = res;
         }
+        v8f acc = {0};
         float ss = 0.f;
-        for (int64_t i = 0; i < dim; i++) ss += bf16_f32(src[i]) * bf16_f32(src[i]);
-        const float scale = 1.f / sqrtf(ss / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) o[i] = f32_bf16(bf16_f32(w[i]) * rnd(bf16_f32(src[i]) * scale));
+        for (i = 0; i + 8 <= dim; i += 8) {
+            const v8f v = load8_bf16(src + i);
+            acc += v * v;
+        }
+        for (; i < dim; i++) ss += bf16_f32(src[i]) * bf16_f32(src[i]);
+        const float scale = 1.f / sqrtf((ss + hsum(acc)) / (float)dim + eps);
+        for (i = 0; i + 8 <= dim; i += 8)
+            store8_bf16(o + i, load8_bf16(w + i) * round8_bf16(load8_bf16(src + i) * scale));
+        for (; i < dim; i++) o[i] = f32_bf16(bf16_f32(w[i]) * rnd(bf16_f32(src[i]) * scale));
     }
 }
 
@@ -99,12 +108,8 @@ void actorlm_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *ou
         const uint16_t *g = x + r * x_stride, *u = g + d;
         uint16_t *o = out + r * out_stride;
         int64_t i = 0;
-        for (; i + 8 <= d; i += 8) {
-            v8f gv, uv;
-            for (int j = 0; j < 8; j++) gv[j] = bf16_f32(g[i + j]), uv[j] = bf16_f32(u[i + j]);
-            const v8f s = silu8(gv);
-            for (int j = 0; j < 8; j++) o[i + j] = f32_bf16(rnd(s[j]) * uv[j]);
-        }
+        for (; i + 8 <= d; i += 8)
+            store8_bf16(o + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
         for (; i < d; i++) {
             const float gf = bf16_f32(g[i]);
             o[i] = f32_bf16(rnd(gf / (1.f + expf(-gf))) * bf16_f32(u[i]));

@@ -98,6 +98,19 @@ static inline void store_bf16(uint16_t *p, vf v) {
     *(vh *)p = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, vh);
 }
 
+/* 8 bf16 at a time, for element-wise loops (rounding to nearest even as above) */
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+static inline v8f load8_bf16(const uint16_t *p) {
+    return (v8f)(__builtin_convertvector(*(const v8h *)p, v8u) << 16);
+}
+static inline v8u bf16_bits8(v8f v) {
+    const v8u u = (v8u)v;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+static inline void store8_bf16(uint16_t *p, v8f v) { *(v8h *)p = __builtin_convertvector(bf16_bits8(v), v8h); }
+static inline v8f round8_bf16(v8f v) { return (v8f)(bf16_bits8(v) << 16); }
+
 /* IEEE half to fp32 without F16C (the generic build): exact for every value. */
 static inline float f16_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;

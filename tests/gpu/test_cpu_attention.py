@@ -117,3 +117,58 @@ def test_build_failure_and_opt_out_fall_back_with_a_warning(
     lib = build(source)  # a fresh cache directory builds it again
     assert lib is not None and len(list((tmp_path / "kernels").glob("*.so"))) == 1
     assert decode_kernel() is not None
+
+
+def prefill_batch(
+    starts: list[int], news: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> tuple[KVPool, ForwardMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts (start 0) and chunks extending a cached prefix, pages shuffled, the cached
+    tokens' K/V random in the pool."""
+    ps = 16
+    need = [-(-(s + n) // ps) for s, n in zip(starts, news, strict=True)]
+    pool = KVPool(2, sum(need) + 2, ps, kv_heads, dim, dtype)
+    pool.kv.normal_()
+    pages = list(range(pool.num_pages))
+    random.Random(1).shuffle(pages)
+    seqs, at = [], 0
+    for s, n, k in zip(starts, news, need, strict=True):
+        seqs.append(SeqSpec(list(range(1, n + 1)), s, pages[at : at + k]))
+        at += k
+    meta = ForwardMeta.build(seqs, ps)
+    T = sum(news)
+    qkv = torch.randn(T, heads + 2 * kv_heads, dim)  # q, k, v as views of one buffer
+    q, k, v = qkv.to(dtype).split([heads, kv_heads, kv_heads], dim=1)
+    return pool, meta, q, k, v
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 2, 80), (8, 2, 12)]
+)
+def test_bf16_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    """A prompt of 150 tokens (blocks of 64 queries and keys and their tails), a chunk of
+    70 over a cached 40, one of 1 token over 300: fp32 arithmetic on the bf16 values,
+    against fp32 SDPA on the same values (output rounded once to bf16)."""
+    torch.manual_seed(3)
+    pool, meta, q, k, v = prefill_batch(
+        [0, 40, 300], [150, 70, 2], heads, kv_heads, dim, torch.bfloat16
+    )
+    pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
+    ref = TorchNativeBackend(pool32, heads, dim)
+    pool32.kv.copy_(pool.kv)
+    ref.init_forward_metadata(meta)
+    want = ref.forward(q.float(), k.float(), v.float(), 1, meta)
+    ours = CpuBackend(pool, heads, dim)
+    ours.init_forward_metadata(meta)
+    plan = meta.attn
+    takes = dim % 16 == 0  # head sizes the kernel takes; others keep torch's path
+    assert all(bool(p.kernel_args) == takes for p in plan.prefills)
+    got = ours.forward(q, k, v, 1, meta)
+    assert got.dtype == torch.bfloat16
+    if not takes:
+        same = TorchNativeBackend(pool, heads, dim)
+        same.init_forward_metadata(meta)
+        assert torch.equal(got, same.forward(q, k, v, 1, meta))
+        return
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
