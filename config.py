@@ -29,7 +29,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # native: a registered model; transformers: the fallback (any decoder-only HF model,
     # attention on actorlm's backends); auto: native where registered, else the fallback
     model_impl: str = "auto"
-    dtype: str = "auto"  # auto = the platform's: bfloat16 on CUDA, float32 on the CPU
+    # auto = the platform's: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    dtype: str = "auto"
     device: str = ""  # "" = the active platform's device
     attention_backend: str = ""  # "" = the platform's default
     quantization: str = ""  # none | fp16 | a plugin's; "" = the platform's default
@@ -42,6 +43,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0  # 0 = from the model's config
     vocab_size: int = 0  # 0 = from the model's config (resolve_config fills it)
     num_threads: int = 0  # torch threads in the worker; 0 = all cores
+    fused_decode_max_batch: int = 8  # CPU: decode steps up to this batch in one native call
     served_model_name: str = ""
     seed: int = 0
     disable_cuda_graph: bool = False  # CUDA: run decode steps eagerly instead of replaying graphs

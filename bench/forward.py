@@ -1,13 +1,19 @@
-"""Forward-pass throughput of actorlm's ModelRunner beside transformers, same weights, same run.
+"""Forward-pass throughput of actorlm's ModelRunner beside the machine's limits measured
+in the same run (and beside transformers on the same weights).
 
 Prefill: one prompt of --prompt-len tokens. Decode: B sequences with a cached
 context of --context-len tokens each, then --decode-steps steps of one token per
-sequence (greedy; each side picks its own next tokens). transformers runs its own
-forward with its KV cache (DynamicCache) on the model it loads from the same GGUF.
+sequence (greedy). One actorlm column per (dtype, linear method). Beside each figure:
 
-    python bench/forward.py                # default model, batch 1 8 32 64
-    python bench/forward.py --skip-transformers --batch-sizes 32
-    python bench/forward.py --quantization none,fp16   # one actorlm column each
+- decode: the bytes a step must read (the weights as the step's path keeps them, and
+  the KV it attends to) over the measured read bandwidth, as tok/s;
+- prefill: the step's FLOPs over the best GEMM throughput measured in the dtype its
+  linear layers run (bf16: torch's bf16 GEMM; float32 with gguf/fp16: fbgemm's
+  fp16-weight GEMM; float32 with none: torch's fp32 GEMM), as tok/s.
+
+    python bench/forward.py                  # the CPU defaults (dtype auto, gguf), b=1 8 32
+    python bench/forward.py --dtypes float32,bfloat16 --quantization gguf,none
+    python bench/forward.py --skip-transformers --batch-sizes 1 --decode-steps 32
     python bench/forward.py --model DIR --model-impl native,transformers  # vs the fallback
 
 Any HF folder or GGUF runs (``bench/random_model.py`` builds random ones without a
@@ -19,19 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from actorlm.config import ModelConfig
-from actorlm.gpu.loaders.base import model_path
-from actorlm.gpu.runner import ModelRunner
-from actorlm.messages.sampling import SamplingParams
-from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/forward.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from actorlm.config import ModelConfig  # noqa: E402
+from actorlm.gpu.loaders.base import model_path  # noqa: E402
+from actorlm.gpu.runner import ModelRunner  # noqa: E402
+from actorlm.messages.sampling import SamplingParams  # noqa: E402
+from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep  # noqa: E402
+
+from bench import machine  # noqa: E402
+from bench.forward_limits import Limits, decode_bytes, gemm_kind, prefill_flops  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -43,24 +55,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--model", default="", help="HF folder or .gguf file (default: the embedded SmolLM2 GGUF)"
     )
-    p.add_argument("--batch-sizes", default="1,8,32,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--prompt-len", type=int, default=512, help="prefill prompt length")
     p.add_argument(
         "--context-len", type=int, default=128, help="cached tokens per sequence before decoding"
     )
-    p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per batch size")
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
     p.add_argument(
         "--repeats", type=int, default=2, help="runs of each workload per engine (best reported)"
     )
     p.add_argument(
-        "--quantization",
-        default="fp16",
-        help="actorlm linear methods to run, comma-separated (none = plain fp32 weights)",
+        "--dtypes", default="auto", help="actorlm dtypes, comma-separated (auto, float32, bfloat16)"
     )
+    p.add_argument("--quantization", default="gguf", help="actorlm linear methods, comma-separated")
     p.add_argument(
         "--model-impl",
         default="auto",
-        help="actorlm model implementations to run, comma-separated (auto, native, transformers)",
+        help="actorlm model implementations, comma-separated (auto, native, transformers)",
+    )
+    p.add_argument(
+        "--fused-decode-max-batch",
+        type=int,
+        default=-1,
+        help="decode steps up to this batch as one native call (0: off; -1: the default)",
     )
     p.add_argument(
         "--attention-backend",
@@ -73,20 +90,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def cpu_description() -> dict[str, str]:
-    """lscpu's model name and flags (which kernels a run could use)."""
-    out: dict[str, str] = {}
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return out
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("Model name", "CPU(s)", "Flags"):
-            out[key.strip()] = value.strip()
-    return out
-
-
 def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
@@ -94,21 +97,20 @@ def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
 
 class Ours:
     def __init__(
-        self,
-        path: str,
-        threads: int,
-        num_pages: int,
-        quantization: str,
-        attention: str,
-        model_impl: str = "auto",
+        self, path: str, args: argparse.Namespace, pages: int, dtype: str, q: str, impl: str
     ) -> None:
+        extra = {}
+        if args.fused_decode_max_batch >= 0:
+            extra["fused_decode_max_batch"] = args.fused_decode_max_batch
         cfg = ModelConfig(
             path=path,
-            num_threads=threads,
-            num_pages=num_pages,
-            quantization=quantization,
-            attention_backend=attention,
-            model_impl=model_impl,
+            dtype=dtype,
+            num_threads=args.threads,
+            num_pages=pages,
+            quantization=q,
+            attention_backend=args.attention_backend,
+            model_impl=impl,
+            **extra,
         )
         self.runner = ModelRunner(cfg)
         self.step = 0
@@ -120,19 +122,9 @@ class Ours:
 
     def prefill_s(self, ids: list[int]) -> float:
         pages = list(range(-(-len(ids) // self.runner.info.page_size)))
+        init = SeqInit(sampling=GREEDY, token_ids=ids, prompt_len=len(ids))
         t0 = time.perf_counter()
-        self._forward(
-            [
-                SeqStep(
-                    "p",
-                    ids,
-                    0,
-                    pages,
-                    True,
-                    SeqInit(sampling=GREEDY, token_ids=ids, prompt_len=len(ids)),
-                )
-            ]
-        )
+        self._forward([SeqStep("p", ids, 0, pages, True, init)])
         dt = time.perf_counter() - t0
         self._forward([], release=["p"])
         return dt
@@ -148,48 +140,42 @@ class Ours:
         ]
         tokens = self._forward(first)
         pos = len(prompts[0])
-        tokens = self._forward(
-            [SeqStep(r, [tok], pos, t) for r, tok, t in zip(rids, tokens, tables, strict=True)]
-        )
-        pos += 1  # one untimed decode step warms the decode path
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tokens = self._forward(
+
+        def step() -> list[int]:
+            return self._forward(
                 [SeqStep(r, [tok], pos, t) for r, tok, t in zip(rids, tokens, tables, strict=True)]
             )
+
+        tokens = step()  # one untimed decode step warms the decode path
+        pos += 1
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tokens = step()
             pos += 1
         dt = time.perf_counter() - t0
         self._forward([], release=rids)
         return dt
 
 
-def load_reference_model(path: Path) -> Any:
-    """``transformers``' own fp32 model on the same weights (a GGUF is dequantized by it)."""
-    from transformers import AutoModelForCausalLM
-
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.eval()
-
-
 class Transformers:
-    def __init__(self, path: Path) -> None:
+    """``transformers``' own fp32 model on the same weights (a GGUF is dequantized by it)."""
 
-        self.model = load_reference_model(path)
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        kw: dict[str, Any] = {"dtype": torch.float32}
+        if path.suffix == ".gguf":
+            kw["gguf_file"] = path.name
+        src = path.parent if path.suffix == ".gguf" else path
+        self.model = AutoModelForCausalLM.from_pretrained(str(src), **kw).eval()
 
     @torch.inference_mode()
     def prefill_s(self, ids: list[int]) -> float:
         from transformers import DynamicCache
 
         t0 = time.perf_counter()
-        logits = self.model(
-            input_ids=torch.tensor([ids]), cache=DynamicCache(), use_cache=True
-        ).logits
-        logits[:, -1].argmax(-1)
+        out = self.model(input_ids=torch.tensor([ids]), cache=DynamicCache(), use_cache=True)
+        out.logits[:, -1].argmax(-1)
         return time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -238,9 +224,26 @@ def measure(
     return res
 
 
+def limits_of(runner: ModelRunner, args: argparse.Namespace, lim: Limits) -> dict[str, float]:
+    """Each workload's limit in tok/s for this engine."""
+    out = {}
+    kind = gemm_kind(runner)
+    flops = prefill_flops(runner.model, runner.info, args.prompt_len)
+    out[f"prefill {args.prompt_len}"] = args.prompt_len / (
+        flops / lim.gemm(kind, runner, args.prompt_len)
+    )
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        context = args.context_len + 1 + args.decode_steps // 2  # the timed steps' mean
+        nbytes = decode_bytes(runner, b, context)
+        out[f"decode b={b}"] = b / (nbytes / lim.bandwidth)
+    return out
+
+
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = model_path(ModelConfig(path=args.model))
     max_b = max(int(x) for x in args.batch_sizes.split(","))
     pages = (
@@ -248,46 +251,62 @@ def main() -> None:
         + args.prompt_len // 16
         + 1
     )
+    engines: dict[str, Any] = {}
     impls = args.model_impl.split(",")
-    engines: dict[str, Any] = {
-        f"actorlm {q}" + (f" {impl}" if len(impls) > 1 else ""): Ours(
-            str(path), args.threads, pages, q, args.attention_backend, impl
-        )
-        for q in args.quantization.split(",")
-        for impl in impls
-    }
+    for d in args.dtypes.split(","):
+        for q in args.quantization.split(","):
+            for impl in impls:
+                try:
+                    engine = Ours(str(path), args, pages, d, q, impl)
+                except ValueError as e:  # fp16 in bfloat16, say
+                    print(f"skipping {d} {q} {impl}: {e}", file=sys.stderr)
+                    continue
+                name = f"actorlm {engine.runner.cfg.dtype} {q}"
+                engines[name + (f" {impl}" if len(impls) > 1 else "")] = engine
     first = next(iter(engines.values()))
-    vocab = first.runner.info.vocab_size
+    lim = Limits()
     results: dict[str, Any] = {
         "model": str(path),
-        "threads": torch.get_num_threads(),
+        "machine": machine.describe(),
         "attention_backend": first.runner.attention_backend,
-        "machine": platform.processor() or platform.machine(),
-        "cpu": cpu_description(),
         "args": vars(args),
+        "read_bandwidth_gbs": lim.bandwidth / 1e9,
     }
+    limits = {name: limits_of(e.runner, args, lim) for name, e in engines.items()}
+    results["gemm_gflops"] = {k: v / 1e9 for k, v in lim.measured.items()}
+    results["limits_tok_s"] = limits
     if not args.skip_transformers:
-        engines["transformers"] = Transformers(path)
-    results.update(measure(engines, args, vocab))
-
-    names = [n for n in engines if n != "transformers"]
-    ref = results.get("transformers", {})
-    head = ["workload", *(f"{n} tok/s" for n in names)]
-    if ref:
-        head += ["transformers tok/s", *(f"{n} / transformers" for n in names)]
-    rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    for key in results[names[0]]:
-        cells = [key, *(f"{results[n][key]:.1f}" for n in names)]
-        if ref:
-            cells += [f"{ref[key]:.1f}", *(f"{results[n][key] / ref[key]:.2f}x" for n in names)]
-        rows.append("| " + " | ".join(cells) + " |")
-    print("\n".join(rows))
-    cpu = results["cpu"]
-    print(f"\n{path.name}, {results['threads']} threads, {cpu.get('Model name', '?')}")
+        engines["transformers fp32"] = Transformers(path)
+    results["tok_s"] = measure(engines, args, first.runner.info.vocab_size)
+    print_table(results, limits)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"\nraw results: {out}")
+
+
+def print_table(results: dict[str, Any], limits: dict[str, dict[str, float]]) -> None:
+    m = results["machine"]
+    print(
+        f"\n{m['cpu']}, {m['cores']} cores, flags {' '.join(m['isa_flags'])}; "
+        f"read {results['read_bandwidth_gbs']:.1f} GB/s; GEMM GFLOP/s "
+        + ", ".join(f"{k} {v:.0f}" for k, v in results["gemm_gflops"].items())
+        + "\n"
+    )
+    tok = results["tok_s"]
+    names = list(tok)
+    head = ["workload"]
+    for n in names:
+        head += [f"{n} tok/s"] + (["limit tok/s", "limit / actual"] if n in limits else [])
+    rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for key in tok[names[0]]:
+        cells = [key]
+        for n in names:
+            cells.append(f"{tok[n][key]:.1f}")
+            if n in limits:
+                cells += [f"{limits[n][key]:.1f}", f"{limits[n][key] / tok[n][key]:.2f}x"]
+        rows.append("| " + " | ".join(cells) + " |")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@ none of their pins touch the project's ``.venv``. ``setup_peer`` creates one;
 ``EngineSpec.missing`` says in one line why an engine cannot start, so the
 runner can report it and go on with the others.
 
+Every engine gets the same cores (``threads``: the CPUs given, all of this process's
+by default) and runs in a dtype it is given: ``EngineSpec.variant(dtype)`` names one
+run (``vllm[bfloat16]``), ``thread_env``/``argv`` pass both on in the engine's own
+terms (vLLM binds its OpenMP threads itself and by default keeps a core for its front
+end: ``VLLM_CPU_OMP_THREADS_BIND`` over the same cores and
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` give its model all of them).
+
 Run as a script for the one-off jobs::
 
     python bench/peers.py setup vllm llamacpp transformers
@@ -29,9 +36,11 @@ __all__ = [
     "PEER_PACKAGES",
     "EngineSpec",
     "ModelFiles",
+    "cpu_list",
     "default_gguf",
     "default_hf_dir",
     "ensure_hf_dir",
+    "plan_runs",
     "setup_peer",
     "venv_dir",
 ]
@@ -149,6 +158,17 @@ class ModelFiles:
     eos_token_id: int | None = None
 
 
+def cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5" (the form OMP and vLLM's binding read)."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 @dataclass
 class EngineSpec:
     """How to start one engine and how to ask it for a fixed output length."""
@@ -156,8 +176,14 @@ class EngineSpec:
     name: str
     label: str
     note: str
-    # (python or executable dir, model files, host, port) -> argv
+    # (spec, model files, host, port) -> argv; reads spec.dtype and spec.threads
     argv: Callable[[EngineSpec, ModelFiles, str, int], list[str]]
+    # the dtypes it can run in ("": it has one, e.g. llama.cpp on the GGUF's own blocks)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    dtype: str = ""  # "" = the engine's own choice
+    threads: list[int] = field(default_factory=list)  # CPUs to use; [] = all of them
+    # threads -> environment that gives the engine those CPUs
+    thread_env: Callable[[list[int]], dict[str, str]] = lambda cpus: {}
     needs_hf_dir: bool = False
     venv: Path | None = None  # None: the project's own interpreter
     env: dict[str, str] = field(default_factory=dict)
@@ -172,6 +198,20 @@ class EngineSpec:
             return sys.executable
         return str(self.venv / "bin" / "python")
 
+    def variant(self, dtype: str, threads: list[int], suffix: bool) -> EngineSpec:
+        """This engine in ``dtype`` on ``threads``; ``suffix`` names it by its dtype
+        (``vllm[bfloat16]``), for runs of one engine in several."""
+        import dataclasses
+
+        name, label = self.name, self.label
+        if suffix and dtype:
+            name, label = f"{name}[{dtype}]", f"{label} {dtype}"
+        return dataclasses.replace(self, name=name, label=label, dtype=dtype, threads=threads)
+
+    def run_env(self) -> dict[str, str]:
+        """Its environment defaults: its own, and those that give it ``threads``."""
+        return {**self.env, **self.thread_env(self.threads)}
+
     def missing(self, model: ModelFiles) -> str | None:
         """Why this engine cannot start here, or None."""
         if self.venv is not None and not Path(self.python()).exists():
@@ -179,7 +219,7 @@ class EngineSpec:
                 f"{self.label}: no venv at {self.venv} "
                 f"(create it with --setup-peers or `python bench/peers.py setup {self.name}`)"
             )
-        probe = _PROBES.get(self.name)
+        probe = _PROBES.get(self.name.split("[")[0])
         if probe:
             res = subprocess.run([self.python(), "-c", probe], capture_output=True, text=True)
             if res.returncode != 0:
@@ -201,19 +241,27 @@ _PROBES: dict[str, str] = {
 
 def _actorlm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
     # `actorlm serve` binds to loopback by default; only --model and --port are assumed.
+    opts = ["serve", "--model", str(m.gguf), "--port", str(port)]
+    if spec.dtype:
+        opts += ["--dtype", spec.dtype]
+    if spec.threads:
+        opts += ["--num-threads", str(len(spec.threads))]
     for exe in (REPO / ".venv" / "bin" / "actorlm", Path(spec.python()).parent / "actorlm"):
         if exe.exists():
-            return [str(exe), "serve", "--model", str(m.gguf), "--port", str(port)]
-    return [
-        spec.python(),
-        "-m",
-        "actorlm.cli",
-        "serve",
-        "--model",
-        str(m.gguf),
-        "--port",
-        str(port),
-    ]
+            return [str(exe), *opts]
+    return [spec.python(), "-m", "actorlm.cli", *opts]
+
+
+def _omp_env(cpus: list[int]) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
+
+
+def _vllm_env(cpus: list[int]) -> dict[str, str]:
+    # It binds one OpenMP thread per listed CPU and, unless told, reserves one of
+    # them for its front end (on 2 cores its model then runs on one).
+    if not cpus:
+        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def _vllm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
@@ -227,7 +275,7 @@ def _vllm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[st
         "--served-model-name",
         "default",
         "--dtype",
-        "float32",
+        spec.dtype or "auto",
         "--max-model-len",
         "8192",
         "--host",
@@ -239,7 +287,7 @@ def _vllm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[st
 
 
 def _llamacpp_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
-    threads = str(os.cpu_count() or 2)
+    threads = str(len(spec.threads) or os.cpu_count() or 2)
     return [
         spec.python(),
         "-m",
@@ -272,7 +320,7 @@ def _transformers_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) ->
         "--device",
         "cpu",
         "--dtype",
-        "float32",
+        spec.dtype or "float32",
         "--host",
         host,
         "--port",
@@ -319,6 +367,7 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             label="actorlm",
             note="`actorlm serve` on the GGUF",
             argv=_actorlm_argv,
+            dtypes=("auto", "float32", "bfloat16"),
             venv=None,
             startup_timeout=300.0,
             extra_body=lambda n, m: {"ignore_eos": True},
@@ -326,8 +375,12 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
         "vllm": EngineSpec(
             name="vllm",
             label="vLLM (CPU)",
-            note="vllm-cpu 0.32.0, fp32 safetensors dequantized from the same GGUF",
+            note=(
+                "vllm-cpu 0.32.0 on fp32 safetensors dequantized from the same GGUF, its "
+                "OpenMP threads bound to the same cores, none reserved"
+            ),
             argv=_vllm_argv,
+            thread_env=_vllm_env,
             needs_hf_dir=True,
             venv=venv_dir("vllm", venv_root),
             env={"VLLM_CPU_KVCACHE_SPACE": "4"},
@@ -342,6 +395,7 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
                 "time, run with --interrupt_requests False (queues instead of interrupting)"
             ),
             argv=_llamacpp_argv,
+            dtypes=(),
             venv=venv_dir("llamacpp", venv_root),
             startup_timeout=180.0,
             health_paths=("/v1/models",),
@@ -350,8 +404,9 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
         "transformers": EngineSpec(
             name="transformers",
             label="transformers serve",
-            note="`transformers serve --continuous-batching` 5.24.0, fp32, same weights",
+            note="`transformers serve --continuous-batching` 5.24.0, same weights",
             argv=_transformers_argv,
+            thread_env=_omp_env,
             needs_hf_dir=True,
             venv=venv_dir("transformers", venv_root),
             startup_timeout=300.0,
@@ -363,6 +418,7 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             label="transformers serve (no CB)",
             note="`transformers serve` 5.24.0 without continuous batching (one generate per request)",
             argv=_transformers_plain_argv,
+            thread_env=_omp_env,
             needs_hf_dir=True,
             venv=venv_dir("transformers", venv_root),
             startup_timeout=300.0,
@@ -378,6 +434,34 @@ ENGINES: dict[str, EngineSpec] = _engines()
 def engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
     """The engine table, with peers' venvs under ``venv_root`` when given."""
     return _engines(venv_root)
+
+
+def plan_runs(
+    names: list[str],
+    table: dict[str, EngineSpec],
+    peer_dtypes: list[str],
+    actorlm_dtypes: list[str],
+    cpus: list[int],
+    best: str,
+) -> list[EngineSpec]:
+    """One run per engine and dtype, every one on ``cpus``. ``best`` stands for the
+    dtype an engine would pick on this CPU (bf16 with native bf16, else fp32); an engine
+    with no dtype choice runs once; repeats collapse. The first run of an engine keeps
+    its plain name (actorlm's is the baseline of every ratio)."""
+    runs: list[EngineSpec] = []
+    for n in names:
+        spec = table[n]
+        if not spec.dtypes:
+            runs.append(spec.variant("", cpus, suffix=False))
+            continue
+        wanted = actorlm_dtypes if n == "actorlm" else peer_dtypes
+        dtypes = list(dict.fromkeys(best if d == "best" else d for d in wanted))
+        dtypes = [d for d in dtypes if d in spec.dtypes]
+        for i, d in enumerate(dtypes):
+            run = spec.variant(d, cpus, suffix=i > 0)
+            run.label = f"{spec.label} {d}"
+            runs.append(run)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """Linear layers of the default model by row count: fp32 (PyTorch), fp16 (fbgemm) and
-the GGUF block kernel (``gpu/cpu_qgemm.c``), each on that layer's own weights.
+the GGUF block kernel (``gpu/kernels/cpu_qgemm.c``) in each ISA build this CPU runs,
+each on that layer's own weights.
 
 Sets ``GGUFLinear.KERNEL_MAX_ROWS``: the kernel wins while a batch is small
 (decode), fbgemm's fp16 GEMM once it is large (prefill).
@@ -12,17 +13,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from actorlm.config import ModelConfig
-from actorlm.gpu.gguf_file import GGUFFile
-from actorlm.gpu.kernels.qgemm import gemm, pack
-from actorlm.gpu.loaders.base import model_path
-from actorlm.gpu.quantization import Fp16Linear
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/qgemm.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from actorlm.config import ModelConfig  # noqa: E402
+from actorlm.gpu.gguf_file import GGUFFile  # noqa: E402
+from actorlm.gpu.kernels import native  # noqa: E402
+from actorlm.gpu.kernels.qgemm import lin_blocks, linear, pack  # noqa: E402
+from actorlm.gpu.loaders.base import model_path  # noqa: E402
+from actorlm.gpu.quantization import Fp16Linear  # noqa: E402
+
+from bench import machine  # noqa: E402
 
 LAYERS = "blk.0.attn_q.weight,blk.0.attn_k.weight,blk.0.ffn_up.weight,blk.0.ffn_down.weight,token_embd.weight"
 
@@ -50,8 +59,12 @@ def main() -> None:
     path = model_path(ModelConfig(path=args.model))
     file = GGUFFile(path)
     results: list[dict[str, object]] = []
-    print("| layer | N x K | format | rows | fp32 ms | fp16 ms | blocks ms | fp16 / blocks |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    levels = [i.name for i in native.supported_isas(native.cpu_flags(), native._is_x86())]
+    levels = [lv for lv in levels if lv != "generic"] or ["generic"]
+    best = native.best_isa().name
+    cols = " | ".join(f"blocks {lv} ms" for lv in levels)
+    print(f"| layer | N x K | format | rows | fp32 ms | fp16 ms | {cols} | fp16 / blocks {best} |")
+    print("|---|---|---|---:|---:|---:|" + "---:|" * (len(levels) + 1))
     for name in args.layers.split(","):
         w = torch.from_numpy(file.dequantize(name).copy()).float()
         packed = pack(w)
@@ -59,25 +72,30 @@ def main() -> None:
             print(f"| {name} | {tuple(w.shape)} | not a block format | | | | | |")
             continue
         fp16 = Fp16Linear(w, None)
+        lin = lin_blocks(packed)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, w.shape[1])
             ms = {
                 "fp32": best_ms(lambda x, w=w: F.linear(x, w), x, args.min_time),
                 "fp16": best_ms(fp16, x, args.min_time),
-                "blocks": best_ms(lambda x, p=packed: gemm(x, p), x, args.min_time),
             }
+            for lv in levels:
+                ms[f"blocks {lv}"] = best_ms(
+                    lambda x, lv=lv, lin=lin: linear(x, lin, lv), x, args.min_time
+                )
             results.append({"layer": name, "shape": list(w.shape), "kind": packed.kind,
                             "rows": rows, "ms": ms})  # fmt: skip
+            blocks = " | ".join(f"{ms[f'blocks {lv}']:.3f}" for lv in levels)
             print(
                 f"| {name} | {w.shape[0]} x {w.shape[1]} | {packed.kind} | {rows} | "
-                f"{ms['fp32']:.3f} | {ms['fp16']:.3f} | {ms['blocks']:.3f} | "
-                f"{ms['fp16'] / ms['blocks']:.2f}x |",
+                f"{ms['fp32']:.3f} | {ms['fp16']:.3f} | {blocks} | "
+                f"{ms['fp16'] / ms[f'blocks {best}']:.2f}x |",
                 flush=True,
             )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": str(path), "threads": torch.get_num_threads(),
-            "machine": platform.processor() or platform.machine()}  # fmt: skip
+            "machine": machine.describe(), "isa": best}  # fmt: skip
     out.write_text(json.dumps({**meta, "results": results}, indent=2))
     print(f"\nraw results: {out}")
 

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,8 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/serving.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from bench import peers  # noqa: E402
-from bench.serving_client import run_level, send_one, wait_ready  # noqa: E402
+from bench import machine, peers  # noqa: E402
+from bench.processes import EngineProcess, free_port  # noqa: E402
+from bench.serving_client import run_level, send_one, server_info, wait_ready  # noqa: E402
 from bench.serving_metrics import count_output_tokens, summarize  # noqa: E402
 from bench.serving_report import markdown_table, plot_results  # noqa: E402
 from bench.workloads import (  # noqa: E402
@@ -85,60 +83,6 @@ def auto_num_prompts(concurrency: int | None, rate: float | None) -> int:
     return min(96, max(16, int(30 * (rate or 1))))
 
 
-def _free_port(host: str, start: int) -> int:
-    for port in range(start, start + 200):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError(f"no free port from {start}")
-
-
-class EngineProcess:
-    """A server started in its own process group, always stopped on exit."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log
-        self._fh = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self._fh.write("$ " + " ".join(argv) + "\n")
-        self._fh.flush()
-        self.proc = subprocess.Popen(
-            argv,
-            env={**env, **os.environ},  # the engine's defaults; the caller's environment wins
-            stdout=self._fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, grace: float = 30.0) -> None:
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        # Children that outlived the leader (e.g. engine workers) share its group.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._fh.close()
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -176,6 +120,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--port", type=int, default=18300, help="first port to try")
     g.add_argument("--startup-timeout", type=float, default=None, help="override each engine's")
     g.add_argument("--actorlm-args", default="", help="extra arguments for `actorlm serve`")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="cores every engine gets, the same for all (default: all this process may use)",
+    )
+    g.add_argument(
+        "--peer-dtypes",
+        default="best,float32",
+        help="dtypes each peer runs in, one run each (best: bf16 where the CPU has native "
+        "bf16, else fp32; llama.cpp runs the GGUF's own blocks once)",
+    )
+    g.add_argument(
+        "--actorlm-dtypes", default="auto", help="dtypes actorlm runs in (auto: its own choice)"
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=DATASETS, default="random")
     w.add_argument(
@@ -230,24 +189,6 @@ def _levels(args: argparse.Namespace) -> list[tuple[int | None, float | None]]:
         cap = args.max_concurrency if args.max_concurrency is not None else None
         return [(cap or None, float(r)) for r in args.request_rate.split(",") if r.strip()]
     return [(c, None) for c in concs]
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = None
-    with contextlib.suppress(OSError, ValueError):
-        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "mem_gib": mem,
-        "python": platform.python_version(),
-    }
 
 
 async def _bench_engine(
@@ -328,7 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     for n in names:
         if n != "external" and n not in table:
             raise SystemExit(f"unknown engine {n!r}; known: {', '.join(table)}")
-    specs = [table[n] for n in names if n != "external"]
+    cpus = machine.cores()[: args.threads or None]
+    specs = peers.plan_runs(
+        [n for n in names if n != "external"],
+        table,
+        [d.strip() for d in args.peer_dtypes.split(",") if d.strip()],
+        [d.strip() for d in args.actorlm_dtypes.split(",") if d.strip()],
+        cpus,
+        machine.best_dtype(),
+    )
 
     if args.setup_peers:
         for spec in specs:
@@ -382,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         "gguf": str(gguf),
         "hf_dir": str(files.hf_dir) if files.hf_dir else None,
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": {**machine.describe(with_torch=False), "threads": len(cpus)},
+        "cpu_pressure_before": machine.cpu_pressure(),
         "command": " ".join(
             [
                 Path(sys.argv[0]).name if argv is None else "serving.py",
@@ -434,15 +384,17 @@ def main(argv: list[str] | None = None) -> int:
             budget.levels_left -= len(levels)
             save()
             continue
-        port = _free_port(args.host, args.port)
+        port = free_port(args.host, args.port)
         argv_ = spec.argv(spec, files, args.host, port)
         if spec.name == "actorlm" and args.actorlm_args:
             argv_ += args.actorlm_args.split()
         url = f"http://{args.host}:{port}"
-        proc = EngineProcess(argv_, spec.env, logs / f"{spec.name}.log")
+        env = spec.run_env()
+        proc = EngineProcess(argv_, env, logs / f"{spec.name}.log")
         running.append(proc)
         entry["command"] = " ".join(argv_)
-        entry["env"] = {k: os.environ.get(k, v) for k, v in spec.env.items()}
+        entry["env"] = {k: os.environ.get(k, v) for k, v in env.items()}
+        entry["dtype"], entry["threads"] = spec.dtype, len(spec.threads)
         entry["log"] = str(proc.log)
         print(f"starting {spec.label}: {entry['command']}", flush=True)
         t0 = time.perf_counter()
@@ -458,11 +410,14 @@ def main(argv: list[str] | None = None) -> int:
             def extra(n: int, spec: peers.EngineSpec = spec) -> dict[str, Any]:
                 return {} if args.no_ignore_eos else spec.extra_body(n, files)
 
+            if spec.name.startswith("actorlm"):  # what it chose: dtype, kernels' ISA
+                entry["server_info"] = asyncio.run(server_info(url))
             entry["levels"] = asyncio.run(
                 _bench_engine(
                     url, model_id, extra, args, workloads, levels, encode, spec.label, budget
                 )
             )
+            entry["cpu_pressure_after"] = machine.cpu_pressure()
         except Exception as e:  # noqa: BLE001 - one engine's failure must not stop the others
             entry["skipped"] = f"{type(e).__name__}: {e}"
             print(
@@ -479,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     table_md = markdown_table(data)
     header = (
         f"Serving benchmark, dataset `{args.dataset}`, model `{gguf.name}`, "
-        f"{data['date']}, {data['machine']['cpu']} ({data['machine']['cores']} cores)\n\n"
+        f"{data['date']}, {data['machine']['cpu']} ({data['machine']['threads']} cores to "
+        f"every engine; {' '.join(data['machine']['isa_flags'])})\n\n"
     )
     md_path = out.with_suffix(".md")
     md_path.write_text(header + table_md + "\n")

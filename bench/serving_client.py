@@ -14,7 +14,7 @@ import aiohttp
 from bench.serving_metrics import RequestResult, SSEParser, StreamRecorder
 from bench.workloads import BenchRequest, Workload
 
-__all__ = ["LevelRun", "run_level", "send_one", "wait_ready"]
+__all__ = ["LevelRun", "run_level", "send_one", "server_info", "wait_ready"]
 
 ExtraBody = Callable[[int], dict[str, Any]]
 
@@ -187,3 +187,23 @@ async def wait_ready(
                     pass
             await asyncio.sleep(1.0)
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+async def server_info(url: str) -> dict[str, Any]:
+    """actorlm's /get_server_info, cut to what says how it ran."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/get_server_info") as r:
+        info = await r.json()
+    keep = ("dtype", "quantization", "attention_backend", "platform", "num_threads")
+    found: dict[str, Any] = {}
+
+    def walk(d: Any) -> None:
+        if isinstance(d, dict):
+            for k, v in d.items():
+                if k in keep and k not in found:
+                    found[k] = v
+                walk(v)
+
+    walk(info)
+    return found

@@ -71,6 +71,10 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens. slots [T] int64; k, v [T, kv_heads, head_dim]."""
+        from .kernels.ops import write_kv  # a row copy a head; index_copy_ walks elements
+
+        if write_kv(self.kv[layer], slots, k, v):
+            return
         self.k_slots(layer).index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
         self.v_slots(layer).index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 

@@ -94,10 +94,6 @@ class Platform:
         """Bytes of device memory free now (for every process)."""
         raise NotImplementedError
 
-    def default_dtype(self) -> str:
-        """What ``--dtype auto`` means here."""
-        return "float32"
-
     def default_attention_backend(self) -> str:
         return "torch"
 
@@ -118,6 +114,14 @@ class Platform:
 
     def default_quantization(self, dtype: str) -> str:
         return "none"
+
+    def default_dtype(self) -> str:
+        """The compute dtype ``--dtype auto`` runs."""
+        return "float32"
+
+    def kernel_isa(self) -> str:
+        """The instruction set the platform's native kernels run ("" where it has none)."""
+        return ""
 
     def default_max_prefill_tokens(self) -> int:
         """The scheduler's per-step token budget (chunked prefill) when the user sets none."""
@@ -161,6 +165,8 @@ class Platform:
             "device_type": self.device_type,
             "distributed_backend": self.distributed_backend,
             "supports_graphs": self.supports_graphs(),
+            "dtype_auto": self.default_dtype(),
+            "kernel_isa": self.kernel_isa(),
         }
         with contextlib.suppress(Exception):  # a summary must not fail on odd hardware
             info["device_name"] = self.device_name()
@@ -212,11 +218,39 @@ class CpuPlatform(Platform):
         return min(DEFAULT_MAX_PREFILL_TOKENS, max(256, 128 * cores))
 
     def default_quantization(self, dtype: str) -> str:
-        # A GGUF's own blocks for decode (a fifth of fp32's bytes), fbgemm's fp16-weight
-        # GEMM for prefill and for weights of other formats (bench/forward.py).
+        # A GGUF's own blocks for decode (a fifth of fp32's bytes); for prefill and for
+        # weights of other formats fbgemm's fp16-weight GEMM in float32, torch's bf16
+        # GEMM in bfloat16 (bench/forward.py).
         from .quantization import fbgemm_available
 
-        return "gguf" if dtype == "float32" and fbgemm_available() else "none"
+        if dtype == "bfloat16" or (dtype == "float32" and fbgemm_available()):
+            return "gguf"
+        return "none"
+
+    def default_dtype(self) -> str:
+        # bf16 where the CPU multiplies it natively (AMX or AVX512-BF16: oneDNN's bf16
+        # GEMMs run ~4x its fp32 ones, bench/forward.py), fp32 elsewhere: without them
+        # torch emulates bf16 and prefill runs slower than in fp32. vLLM's CPU choice.
+        return "bfloat16" if self.native_bf16() else "float32"
+
+    @staticmethod
+    def native_bf16() -> list[str]:
+        """This CPU's bf16 arithmetic units (cpu flags), empty where it has none."""
+        from .kernels import native
+
+        return sorted(native.cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+    def kernel_isa(self) -> str:
+        from .kernels import native
+
+        return native.best_isa().name
+
+    def describe(self) -> dict[str, Any]:
+        from .kernels import native
+
+        flags = native.cpu_flags()
+        wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+        return {**super().describe(), "cpu_flags": [f for f in wanted if f in flags]}
 
 
 class CudaPlatform(Platform):

@@ -14,12 +14,15 @@ Built in:
   model's greedy tokens are unchanged).
 
 - ``gguf``: a GGUF model's Q4_1 and Q8_0 weights kept as their 32-wide blocks,
-  found bit-exact in the loaded weights (``qgemm.pack``); batches of up to
-  ``GGUFLinear.KERNEL_MAX_ROWS`` rows (decode) run a C kernel that expands each
-  block in registers (~4.5 bits read a weight), larger ones (prefill) the ``fp16``
-  path. A weight of another format runs the ``fp16`` path throughout. The CPU
-  platform's default: the default model decodes ~1.6x faster than with ``fp16``
-  at batch 1 and ~1.45x at batch 8 (bench/forward.py), same greedy tokens.
+  found bit-exact in the loaded weights (``qgemm.pack``: the weights load in fp32 for
+  it, whatever the compute dtype); batches of up to ``GGUFLinear.KERNEL_MAX_ROWS``
+  rows (decode) run a C kernel that expands each block in registers (~5 bits read a
+  weight, fp32 arithmetic on fp32 or bf16 activations), larger ones (prefill) a
+  dense GEMM: the ``fp16`` path in float32, torch's bf16 GEMM (oneDNN: AMX or
+  AVX512-BF16 where the CPU has them) in bfloat16. A weight of another format runs
+  the dense path throughout. The CPU platform's default: the default model decodes
+  ~1.6x faster than with ``fp16`` at batch 1 and ~1.45x at batch 8 (bench/forward.py),
+  same greedy tokens.
 
 fbgemm's int8 path (W8A8 dynamic) is faster still but quantizes activations per
 tensor to 7 bits; on the default model greedy tokens change from the first one,
@@ -49,6 +52,7 @@ __all__ = [
     "LinearMethod",
     "NoQuantization",
     "fbgemm_available",
+    "native_lin",
     "quantize_model",
 ]
 
@@ -64,6 +68,11 @@ class LinearMethod(ABC):
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ValueError when the method cannot run on ``device`` in ``dtype``."""
         return  # runs anywhere unless a method says otherwise
+
+    def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype weights load in before ``convert`` (the model's other parameters
+        are cast to ``dtype`` after)."""
+        return dtype
 
     @abstractmethod
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
@@ -99,6 +108,18 @@ class Fp16Linear(nn.Module):
             )
             for i in range(0, w.shape[0], rows)
         ]
+        self._lin: qgemm.Lin | None = None
+
+    def lin(self) -> qgemm.Lin | None:
+        """The fp16 weight as rows for the native kernels: an fp16 copy of what fbgemm
+        packed, made on first use (the fused decode step), then kept."""
+        if self._lin is None:
+            parts = [torch.ops.quantized.linear_unpack_fp16(s) for s in self.shards]
+            w = torch.cat([p[0] for p in parts]).half()
+            bias = [p[1] for p in parts]
+            b = None if bias[0] is None else torch.cat(bias)
+            self._lin = qgemm.lin_dense(w, b)
+        return self._lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.shards) == 1:
@@ -132,24 +153,58 @@ class GGUFLinear(nn.Module):
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, dense: nn.Module) -> None:
         super().__init__()
         self.packed = packed
-        self.bias = None if bias is None else bias.float()
+        self.lin = qgemm.lin_blocks(packed, bias)  # the bias rides in it, fp32
         self.dense = dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.KERNEL_MAX_ROWS:
-            y = qgemm.gemm(x, self.packed)
+            y = qgemm.linear(x, self.lin)
             if y is not None:
-                return y if self.bias is None else y.add_(self.bias)
+                return y
         return self.dense(x)
+
+
+def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(weight.dtype), requires_grad=False)
+    return layer
 
 
 class GGUFMethod(Fp16Method):
     name = "gguf"
+    dtype: torch.dtype = torch.float32  # the compute dtype, set by check
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            self.dtype = dtype  # dense layers: torch's bf16 GEMM, no fbgemm needed
+            return
+        super().check(device, dtype)
+        self.dtype = dtype
+
+    def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32  # the blocks are found in the file's exact values
 
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        dense = super().convert(weight, bias)
+        if self.dtype == torch.float32:
+            dense: nn.Module = super().convert(weight, bias)
+        else:
+            dense = _plain_linear(weight.to(self.dtype), bias)
         packed = qgemm.pack(weight)
         return dense if packed is None else GGUFLinear(packed, bias, dense)
+
+
+def native_lin(module: nn.Module) -> qgemm.Lin | None:
+    """The weight of a linear layer, as a linear method left it, for the native kernels
+    (``qgemm.linear``, ``kernels.step``), or None for a module they cannot read."""
+    if isinstance(module, GGUFLinear):
+        return module.lin
+    if isinstance(module, Fp16Linear):
+        return module.lin()
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return qgemm.lin_dense(module.weight, module.bias)  # MergedLinear too
+    return None
 
 
 def quantize_model(model: nn.Module, method: LinearMethod) -> int:
@@ -178,5 +233,7 @@ QUANTIZATION_METHODS.register_builtin(
     "fp16", Fp16Method, help="fp16 weights, fp32 compute (fbgemm, CPU)"
 )
 QUANTIZATION_METHODS.register_builtin(
-    "gguf", GGUFMethod, help="a GGUF's Q4_1/Q8_0 blocks, exact, for decode; fp16 for prefill (CPU)"
+    "gguf",
+    GGUFMethod,
+    help="a GGUF's Q4_1/Q8_0 blocks, exact, for decode; fp16 (float32) or bf16 GEMMs for prefill (CPU)",
 )

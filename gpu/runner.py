@@ -20,6 +20,7 @@ from . import attention  # noqa: F401  (registers the built-in backends)
 from .cuda_graphs import capture_decode_graphs, use_cuda_graphs
 from .cuda_step import check_pool_fits, upload_meta
 from .forward_meta import ForwardMeta, SeqSpec
+from .fused_decode import FusedDecoder
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .platforms import resolve_dtype
@@ -46,12 +47,19 @@ class ModelRunner:
         max_len = cfg.max_model_len or info.max_model_len
         method = QUANTIZATION_METHODS.get(cfg.quantization or "none")()
         method.check(self.device, self.dtype)
+        load_dtype = method.load_dtype(self.dtype)
         num_pages = cfg.num_pages or kv_pages_for_budget(
             info, platform.kv_cache_bytes(cfg, info), cfg.page_size, cfg.dtype
         )
-        self.model, _ = load_model(cfg, max_model_len=max_len, loader=loader)
+        self.model, _ = load_model(
+            msgspec.structs.replace(cfg, dtype=str(load_dtype).removeprefix("torch.")),
+            max_model_len=max_len,
+            loader=loader,
+        )
         if converted := quantize_model(self.model, method):
             log.info("quantization %s: %d linear layers converted", method.name, converted)
+        if load_dtype != self.dtype:
+            self.model.to(self.dtype)  # what the method left unconverted (embeddings, norms)
         graphs = use_cuda_graphs(cfg, self.device, platform)
         pages = num_pages + int(graphs)  # CUDA graphs: one page more, where padding rows write
         check_pool_fits(self.device, info, pages, cfg.page_size, cfg.dtype, platform)
@@ -103,6 +111,19 @@ class ModelRunner:
         self._last: dict[str, int] = {}  # each sequence's last sampled token (PENDING_TOKEN)
         self._prompt_lens: dict[str, int] = {}  # rid → prompt length, while it runs
         self.graphs = capture_decode_graphs(self, max_len, pad_page=num_pages) if graphs else None
+        self.fused, why = (
+            (None, "CUDA graphs")
+            if graphs
+            else FusedDecoder.build(self.model, self.backend, cfg.fused_decode_max_batch)
+        )
+        log.info(
+            "dtype %s, kernels %s; decode %s",
+            cfg.dtype,
+            platform.kernel_isa() or "none",
+            f"steps of <= {self.fused.max_batch} sequences as one native call"
+            if self.fused
+            else f"through the model ({why})",
+        )
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
@@ -181,6 +202,8 @@ class ModelRunner:
                 )
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs)
+        if self.fused is not None and self.fused.accepts(seqs):
+            return self.fused.run(seqs)
         meta = ForwardMeta.build(seqs, self.pool.page_size, "cpu", self.layer_windows, self.softcap)
         if self.device.type != "cpu":
             meta = upload_meta(meta, self.device)  # pinned, non-blocking

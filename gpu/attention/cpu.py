@@ -9,8 +9,12 @@ Its scores take 8 keys at a time and its weighted sum of values keeps the
 accumulators in registers, so long contexts run at the memory's speed: at batch 8
 with 1,000-token contexts a decode step of the default model went from ~95 to ~65 ms.
 A sliding window starts each sequence's keys at its window inside the first page
-the window touches. Prefills, and anything the kernel does not cover (other
-dtypes or devices, no C compiler, soft-capped scores), take the torch path.
+the window touches. A bf16 pool decodes through ``cpu_step.c``'s kernel of the
+same shape (``attend.h``: K and V widened as read, q and the output through fp32),
+and its prompts through ``cpu_prefill.c``. Anything the kernels do not cover (other
+dtypes or devices, no C compiler, soft-capped scores, a bf16 pool's windows) takes
+the torch path. (Decode-only steps of small batches skip the backend altogether:
+the fused step, ``gpu/fused_decode.py``, attends inside its one native call.)
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import numpy as np
 import torch
 
 from ..forward_meta import ForwardMeta
-from ..kernels.attention import decode_kernel
-from .torch_native import TorchNativeBackend, _Decode
+from ..kernels.attention import decode_kernel, prefill_kernel
+from ..kernels.step import native_step
+from .torch_native import TorchNativeBackend, _Decode, _Prefill
 
 __all__ = ["CpuBackend"]
 
@@ -34,13 +39,59 @@ class CpuBackend(TorchNativeBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         pool = self.pool
-        ok = pool.device.type == "cpu" and pool.dtype == torch.float32
-        self._kernel = decode_kernel() if ok else None
+        cpu = pool.device.type == "cpu"
+        self._bf16 = cpu and pool.dtype == torch.bfloat16
+        if self._bf16:  # cpu_step.c reads bf16 pages; q and out go through fp32
+            lib = native_step()
+            self._kernel = None if lib is None else lib.actorlm_paged_decode_kv
+        else:
+            self._kernel = decode_kernel() if cpu and pool.dtype == torch.float32 else None
         if self._kernel is None:
             log.info("cpu attention: decodes take the torch path (%s)", pool.dtype)
+        # bf16 prompts: torch's CPU flash attention runs them at ~30 GFLOP/s a core
+        # (~40% of a bf16 prefill); fp32 keeps torch's path, today's exact numbers.
+        self._prefill_kernel = prefill_kernel() if self._bf16 else None
+
+    def _plan_prefill(
+        self, meta: ForwardMeta, i: int, window: int, device: torch.device
+    ) -> _Prefill:
+        p = super()._plan_prefill(meta, i, window, device)
+        kernel = self._prefill_kernel is not None and not window and not meta.logit_softcap
+        if kernel and self.head_dim % 16 == 0 and self.head_dim <= 256:
+            n = p.rows.stop - p.rows.start
+            needed = -(-(p.start_pos + n) // self.pool.page_size)
+            p.kernel_args = (torch.tensor(meta.page_tables[i][:needed], dtype=torch.int64),)
+        return p
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        p: _Prefill,
+        cap: float = 0.0,
+    ) -> torch.Tensor:
+        if cap or not p.kernel_args or q.stride(2) != 1 or q.stride(1) != self.head_dim:
+            return super()._prefill(q, k, v, layer, p, cap)
+        (pages,) = p.kernel_args
+        n, H, D = q.shape
+        out = q.new_empty(n, H * D)
+        pool = self.pool
+        bf16 = int(q.dtype == torch.bfloat16)
+        rc = self._prefill_kernel(  # type: ignore[misc]
+            q.data_ptr(), q.stride(0), bf16, pool.k_pages(layer).data_ptr(),
+            pool.v_pages(layer).data_ptr(), int(self._bf16), pool.num_pages, pages.data_ptr(),
+            p.start_pos, n, self.num_kv_heads, H // self.num_kv_heads, D, pool.page_size,
+            self.scale, out.data_ptr(), out.stride(0), bf16, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            return super()._prefill(q, k, v, layer, p, cap)
+        return out
 
     def _plan_decode(self, d: _Decode, meta: ForwardMeta) -> _Decode:
-        if self._kernel is None or meta.logit_softcap:  # the kernel does not cap scores
+        # the kernels do not cap scores, and the bf16 one attends from each sequence's start
+        if self._kernel is None or meta.logit_softcap or (self._bf16 and d.starts is not None):
             return super()._plan_decode(d, meta)
         table = torch.from_numpy(np.ascontiguousarray(d.table))
         lens = torch.tensor(d.seq_lens, dtype=torch.int64)
@@ -52,23 +103,29 @@ class CpuBackend(TorchNativeBackend):
         if not d.kernel_args or self._kernel is None:
             return super()._decode(q, layer, d, cap)
         qd = q[d.rows]  # [B, H, D]
+        if self._bf16:
+            qd = qd.float()
         if qd.stride(2) != 1 or qd.stride(1) != self.head_dim:
             qd = qd.contiguous()
         table, lens = d.kernel_args[:2]
         starts = d.kernel_args[2] if len(d.kernel_args) > 2 else None
         B, H, D = d.batch, self.num_heads, self.head_dim
-        out = q.new_empty(B, H * D)
+        out = qd.new_empty(B, H * D)
         pool = self.pool
+        # the bf16 kernel: a KV-dtype flag after the pages; the fp32 one: window starts
+        kv = (1,) if self._bf16 else ()
+        window = () if self._bf16 else (None if starts is None else starts.data_ptr(),)
         rc = self._kernel(
             qd.data_ptr(),
             qd.stride(0),
             pool.k_pages(layer).data_ptr(),
             pool.v_pages(layer).data_ptr(),
+            *kv,
             pool.num_pages,
             table.data_ptr(),
             table.shape[1],
             lens.data_ptr(),
-            None if starts is None else starts.data_ptr(),
+            *window,
             out.data_ptr(),
             B,
             self.num_kv_heads,
@@ -81,4 +138,4 @@ class CpuBackend(TorchNativeBackend):
         )
         if rc != 0:
             raise MemoryError("cpu decode attention: out of memory for its scratch")
-        return out
+        return out.to(q.dtype)

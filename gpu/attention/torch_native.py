@@ -45,6 +45,7 @@ class _Prefill:
     pages: torch.Tensor | None  # [P] page ids holding keys key_start..; None: fresh prompt
     mask: torch.Tensor | None  # [n, keys] bool, True = attend; None: plain causal
     key_start: int = 0  # position of the first gathered key (a window's first page)
+    kernel_args: tuple[torch.Tensor, ...] = ()  # what a subclass's prefill kernel reads
 
 
 @dataclass

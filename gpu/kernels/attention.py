@@ -1,5 +1,6 @@
-"""The binding of ``cpu_decode.c``: paged decode attention read from the KV pages in place
-(used by the ``cpu`` attention backend, ``actorlm.gpu.attention.cpu``)."""
+"""The bindings of ``cpu_decode.c`` (paged decode attention read from the KV pages in
+place) and ``cpu_prefill.c`` (causal prefill and extend attention over the pages), used
+by the ``cpu`` attention backend, ``actorlm.gpu.attention.cpu``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from . import native
 
-__all__ = ["decode_kernel"]
+__all__ = ["decode_kernel", "prefill_kernel"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -21,5 +22,36 @@ def decode_kernel() -> Any | None:
         return None
     fn = lib.actorlm_paged_decode
     fn.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def prefill_kernel() -> Any | None:
+    """The compiled ``actorlm_paged_prefill``, or None where it cannot be built."""
+    lib = native.load(Path(__file__).with_name("cpu_prefill.c"))
+    if lib is None:
+        return None
+    fn = lib.actorlm_paged_prefill
+    fn.argtypes = [
+        _P,
+        _I,
+        _I,
+        _P,
+        _P,
+        _I,
+        _I,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _F,
+        _P,
+        _I,
+        _I,
+        ctypes.c_int,
+    ]
     fn.restype = ctypes.c_int
     return fn

@@ -1,4 +1,4 @@
-/* Fused element-wise layers for the CPU, fp32: RMSNorm (with the residual add
+/* Fused element-wise layers for the CPU, fp32 and bf16: RMSNorm (with the residual add
  * folded in), SiLU-and-multiply, and rotary embedding in place.
  *
  * In PyTorch each is a chain of 4-7 small ops, each a pass over memory and
@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include "simd.h"
 
 #define PAR_MIN_ELEMS 65536 /* below this, one thread: waking the pool costs more */
@@ -30,15 +31,6 @@ void actorlm_rms_norm(const float *x, int64_t x_stride, float *residual, int64_t
         const float scale = 1.f / sqrtf(dot(src, src, dim) / (float)dim + eps);
         for (int64_t i = 0; i < dim; i++) o[i] = src[i] * scale * w[i];
     }
-}
-
-/* silu(g) = g * sigmoid(g), with exp taken of -|g| only (exp8's domain, no overflow). */
-static inline v8f silu8(v8f g) {
-    const v8f zero = {0};
-    const v8i sign = (v8i){0} + INT32_MIN, neg = g < zero;
-    const v8f e = exp8((v8f)((v8i)g | sign)); /* exp(-|g|) */
-    const v8f sig_pos = 1.f / (1.f + e), sig_neg = e / (1.f + e);
-    return g * (v8f)(((v8i)sig_neg & neg) | ((v8i)sig_pos & ~neg));
 }
 
 /* out[r] = silu(x[r, :d]) * x[r, d:2d]. */
@@ -71,6 +63,94 @@ void actorlm_rope(float *x, int64_t row_stride, int64_t rows, int64_t heads, int
                 a[i] = x1 * c[i] - x2 * s[i];
                 b[i] = x2 * c[i] + x1 * s[i];
             }
+        }
+    }
+}
+
+/* The same three over bf16 tensors, rounding where a bf16 PyTorch model rounds (after
+   each op of HF's Llama: the residual sum, the normed rows before the weight, silu
+   before the product, each RoPE product), the arithmetic between in fp32: a bf16
+   prefill costs its GEMMs, not torch's bf16 element-wise chains. */
+static inline float rnd(float f) { return bf16_f32(f32_bf16(f)); }
+
+void actorlm_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
+                           int64_t res_stride, const uint16_t *w, uint16_t *out,
+                           int64_t out_stride, int64_t rows, int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src = x + r * x_stride;
+        uint16_t *o = out + r * out_stride;
+        int64_t i = 0;
+        if (residual) {
+            uint16_t *res = residual + r * res_stride;
+            for (; i + 8 <= dim; i += 8) store8_bf16(res + i, load8_bf16(res + i) + load8_bf16(src + i));
+            for (; i < dim; i++) res[i] = f32_bf16(bf16_f32(res[i]) + bf16_f32(src[i]));
+            src = res;
+        }
+        v8f acc = {0};
+        float ss = 0.f;
+        for (i = 0; i + 8 <= dim; i += 8) {
+            const v8f v = load8_bf16(src + i);
+            acc += v * v;
+        }
+        for (; i < dim; i++) ss += bf16_f32(src[i]) * bf16_f32(src[i]);
+        const float scale = 1.f / sqrtf((ss + hsum(acc)) / (float)dim + eps);
+        for (i = 0; i + 8 <= dim; i += 8)
+            store8_bf16(o + i, load8_bf16(w + i) * round8_bf16(load8_bf16(src + i) * scale));
+        for (; i < dim; i++) o[i] = f32_bf16(bf16_f32(w[i]) * rnd(bf16_f32(src[i]) * scale));
+    }
+}
+
+void actorlm_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out,
+                               int64_t out_stride, int64_t rows, int64_t d, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * d >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * x_stride, *u = g + d;
+        uint16_t *o = out + r * out_stride;
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8)
+            store8_bf16(o + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
+        for (; i < d; i++) {
+            const float gf = bf16_f32(g[i]);
+            o[i] = f32_bf16(rnd(gf / (1.f + expf(-gf))) * bf16_f32(u[i]));
+        }
+    }
+}
+
+void actorlm_rope_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t heads,
+                       int64_t head_dim, const uint16_t *cos_t, const uint16_t *sin_t,
+                       int64_t cs_stride, int threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(threads) if (rows * heads * head_dim >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *c = cos_t + t * cs_stride, *s = sin_t + t * cs_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *a = x + t * row_stride + h * head_dim, *b = a + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = bf16_f32(a[i]), x2 = bf16_f32(b[i]);
+                const float ci = bf16_f32(c[i]), si = bf16_f32(s[i]);
+                a[i] = f32_bf16(rnd(x1 * ci) + rnd(-x2 * si));
+                b[i] = f32_bf16(rnd(x2 * ci) + rnd(x1 * si));
+            }
+        }
+    }
+}
+
+/* Store T new tokens' K and V into one layer of the paged pool (KVPool.write): k and v
+   [T, heads, D] with rows `k_stride`/`v_stride` elements apart and heads D apart; the
+   layer's pool [2, heads, total_slots, D]; `esize` bytes an element (the pool's dtype).
+   A row copy per (token, head), where torch's index_copy_ of a transposed view walks
+   element by element (~15% of a bf16 prefill). */
+void actorlm_kv_write(char *pool, int64_t total_slots, const int64_t *slots, const char *k,
+                      int64_t k_stride, const char *v, int64_t v_stride, int64_t T,
+                      int64_t heads, int64_t D, int64_t esize, int threads) {
+    const int64_t row = D * esize, head_bytes = total_slots * row;
+    char *kp = pool, *vp = pool + heads * head_bytes;
+#pragma omp parallel for num_threads(threads) if (T * heads * D >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            memcpy(kp + h * head_bytes + slots[t] * row, k + (t * k_stride + h * D) * esize, (size_t)row);
+            memcpy(vp + h * head_bytes + slots[t] * row, v + (t * v_stride + h * D) * esize, (size_t)row);
         }
     }
 }

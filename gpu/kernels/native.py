@@ -1,12 +1,17 @@
-"""Small C kernels for the CPU, compiled on first use and loaded with ctypes.
+"""Small C kernels for the CPU, compiled on first use and loaded with ctypes, one build
+per instruction set.
 
 PyTorch has no paged-attention op for the CPU, and a torch C++ extension takes
 a minute to build; a plain C file with OpenMP builds in about a second with the
-system compiler. The library is cached under ``$ACTORLM_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/actorlm``, or ``~/.cache/actorlm``) by a hash of the source, the
-flags, the compiler and this CPU's feature flags (a source's ``#include "..."``
-files are hashed with it), written atomically so several workers can race to
-build it.
+system compiler. Each source builds once per ISA level it is asked for (``ISAS``:
+``avx512`` = x86-64-v4, ``avx2`` = x86-64-v3, ``generic`` = the compiler's baseline,
+which is what ARM gets), so the binary depends on the level and not on the build
+machine; ``best_isa`` picks the highest level this CPU's flags allow, and
+``ACTORLM_ISA`` caps it (``ACTORLM_ISA=avx2`` runs the AVX2 build on an AVX-512 CPU).
+The library is cached under ``$ACTORLM_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/actorlm``, or ``~/.cache/actorlm``) by a hash of the source and its
+``#include "..."`` files, the flags and the compiler, written atomically so several
+workers can race to build it.
 
 Without a compiler, or with ``ACTORLM_NATIVE=0``, ``load`` returns None and the
 caller keeps its pure-PyTorch path.
@@ -23,16 +28,99 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bind", "cache_dir", "load"]
+__all__ = [
+    "ISAS",
+    "Isa",
+    "best_isa",
+    "bind",
+    "cache_dir",
+    "cpu_flags",
+    "isa",
+    "load",
+    "pick_isa",
+    "supported_isas",
+]
 
 log = logging.getLogger(__name__)
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+
+@dataclass(frozen=True)
+class Isa:
+    """An instruction-set level a kernel builds for: the CPU flags it needs (as
+    /proc/cpuinfo spells them) and the compiler flags that target it."""
+
+    name: str
+    needs: frozenset[str]
+    cflags: tuple[str, ...]
+
+
+_X86_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
+# Highest first. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL over v3; AVX512-BF16 and AMX add
+# nothing the kernels need (bf16 widens to fp32 with a shift; decode reads memory),
+# so they pick oneDNN's bf16 GEMMs (the dtype), not another build.
+ISAS: tuple[Isa, ...] = (
+    Isa(
+        "avx512",
+        _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+        ("-march=x86-64-v4", "-mtune=generic"),
+    ),
+    Isa("avx2", _X86_V3, ("-march=x86-64-v3", "-mtune=generic")),
+    Isa("generic", frozenset(), ()),
+)
+_BY_NAME = {i.name: i for i in ISAS}
+
+
+def isa(name: str) -> Isa:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown ISA {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def supported_isas(flags: Iterable[str], x86: bool = True) -> list[Isa]:
+    """The levels a CPU with ``flags`` runs, highest first (``generic`` always last)."""
+    have = set(flags)
+    return [i for i in ISAS if (x86 or not i.needs) and i.needs <= have]
+
+
+def pick_isa(flags: Iterable[str], cap: str = "", x86: bool = True) -> Isa:
+    """The highest level a CPU with ``flags`` runs, at most ``cap`` (a level's name)."""
+    levels = supported_isas(flags, x86)
+    if cap:
+        limit = ISAS.index(isa(cap))
+        levels = [i for i in levels if ISAS.index(i) >= limit]
+    return levels[0] if levels else _BY_NAME["generic"]
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@cache
+def best_isa() -> Isa:
+    """The level the kernels run at here: the best the CPU has, capped by ``ACTORLM_ISA``."""
+    return pick_isa(cpu_flags(), os.environ.get("ACTORLM_ISA", ""), _is_x86())
 
 
 def cache_dir() -> Path:
@@ -52,33 +140,26 @@ def _texts(source: Path) -> list[str]:
     return out
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 @cache
-def load(source: Path) -> ctypes.CDLL | None:
-    """The compiled ``source`` (a C file), or None when it cannot be built here."""
+def load(source: Path, level: str = "") -> ctypes.CDLL | None:
+    """The compiled ``source`` (a C file) for ISA ``level`` (default: ``best_isa()``),
+    or None when it cannot be built here."""
     if os.environ.get("ACTORLM_NATIVE", "1") == "0":
         return None
+    target = isa(level) if level else best_isa()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: %s falls back to PyTorch", source.name)
         return None
+    flags = (*_FLAGS, *target.cflags)
     key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (*_texts(source), *_FLAGS, compiler, _cpu_flags()))
+        b"\0".join(s.encode() for s in (*_texts(source), *flags, compiler))
     ).hexdigest()[:16]
-    lib = cache_dir() / f"{source.stem}-{key}.so"
+    lib = cache_dir() / f"{source.stem}-{target.name}-{key}.so"
     if not lib.exists():
         try:
-            _build(compiler, source, lib)
-        except (OSError, subprocess.CalledProcessError) as e:
+            _build(compiler, flags, source, lib)
+        except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             detail = getattr(e, "stderr", "") or str(e)
             log.warning("building %s failed, falling back to PyTorch: %s", source.name, detail)
             return None
@@ -89,10 +170,10 @@ def load(source: Path) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(lib))
 
 
-def bind(source: Path, signatures: dict[str, list[Any]]) -> ctypes.CDLL | None:
-    """``load(source)`` with the argument types of its named functions set (each
+def bind(source: Path, signatures: dict[str, list[Any]], level: str = "") -> ctypes.CDLL | None:
+    """``load(source, level)`` with the argument types of its named functions set (each
     returns void), or None when it cannot be built here."""
-    lib = load(source)
+    lib = load(source, level)
     if lib is not None:
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -100,13 +181,13 @@ def bind(source: Path, signatures: dict[str, list[Any]]) -> ctypes.CDLL | None:
     return lib
 
 
-def _build(compiler: str, source: Path, lib: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], source: Path, lib: Path) -> None:
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_FLAGS, str(source), "-o", tmp, "-lm"],
+            [compiler, *flags, str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,

@@ -5,9 +5,11 @@ they came from (Q4_1: ``w = q * d + m`` with 16 levels; Q8_0: ``w = q * d``) and
 keeps them only when they rebuild every weight bit for bit, so the packed layer
 computes with the file's exact values; a weight that is not such a block format
 (a full-precision model, an F16 tensor) packs to None. ``gemm`` then runs
-``cpu_qgemm.c``: each block expands to fp32 in registers and serves up to 8 rows
-of activations, so a decode step reads ~4.5 bits a weight instead of 16 (fp16)
-or 32 and the multiply-adds stay fp32.
+``cpu_qgemm.c`` (over ``gemv.h``): each block expands to fp32 in registers and serves
+up to 8 rows of activations, so a decode step reads ~5 bits a weight instead of 16
+(fp16) or 32 and the multiply-adds stay fp32, for fp32 or bf16 activations. ``Lin``
+describes any weight the kernels read (blocks, or dense fp32/bf16/fp16 rows) and
+``linear`` runs one; ``kernels.step`` chains them into a whole decode step.
 """
 
 from __future__ import annotations
@@ -23,19 +25,33 @@ import torch
 
 from . import native
 
-__all__ = ["QK", "PackedWeight", "gemm", "native_qgemm", "pack"]
+__all__ = [
+    "QK",
+    "Lin",
+    "PackedWeight",
+    "gemm",
+    "lin_blocks",
+    "lin_dense",
+    "linear",
+    "native_qgemm",
+    "pack",
+]
 
 QK = 32  # weights a block
 _P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
+GROUP = 16  # output rows interleaved: one AVX-512 vector, two AVX2 ones
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [N, K] weight as blocks, interleaved by groups of 8 output rows for the
-    kernel (rows padded to a multiple of 8 with zeros): ``d`` (and ``m`` for Q4_1)
-    are [N/8, K/32, 8] fp32, ``q`` the codes: [N/8, K/32, 16, 8] bytes whose low
-    nibble is code k = 2i and high nibble k = 2i + 1 (Q4_1), or [N/8, K/32, 32, 8]
-    int8 (Q8_0)."""
+    """A [N, K] weight as blocks, interleaved by groups of 16 output rows for the
+    kernel (rows padded to a multiple of 16 with zeros): ``d`` (and ``m`` for Q4_1)
+    are [N/16, K/32, 16] fp16 (GGUF's own scales), ``q`` the codes: [N/16, K/32, 16,
+    16] bytes whose low nibble is code k = 2i and high nibble k = 2i + 1 (Q4_1), or
+    [N/16, K/32, 32, 16] int8 (Q8_0). A group's blocks lie one after another, so a
+    decode step reads the weight as one stream."""
 
     kind: str  # "q4_1" or "q8_0"
     q: torch.Tensor
@@ -47,14 +63,14 @@ class PackedWeight:
         """The codes as [N, K/32, 32] (int16)."""
         q = self.q.to(torch.int16)
         if self.kind == "q4_1":
-            q = torch.stack((q & 15, q >> 4), dim=3).flatten(2, 3)  # [G, nb, 32, 8]
+            q = torch.stack((q & 15, q >> 4), dim=3).flatten(2, 3)  # [G, nb, 32, 16]
         return _rows(q.permute(0, 3, 1, 2), self.shape[0])
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``d`` and ``m`` as [N, K/32]."""
         n = self.shape[0]
-        m = None if self.m is None else _rows(self.m.transpose(1, 2), n)
-        return _rows(self.d.transpose(1, 2), n), m
+        m = None if self.m is None else _rows(self.m.float().transpose(1, 2), n)
+        return _rows(self.d.float().transpose(1, 2), n), m
 
     def dequantize(self) -> torch.Tensor:
         """The [N, K] fp32 weight the blocks encode."""
@@ -66,17 +82,23 @@ class PackedWeight:
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[G, 8, ...] → [N, ...]: the groups' rows in order, padding dropped."""
+    """[G, GROUP, ...] → [N, ...]: the groups' rows in order, padding dropped."""
     return t.reshape(-1, *t.shape[2:])[:n]
 
 
 def _groups(a: np.ndarray) -> np.ndarray:
-    """[N, nb, ...] → [G, nb, ..., 8]: rows padded to groups of 8, the row index last."""
-    pad = -a.shape[0] % 8
+    """[N, nb, ...] → [G, nb, ..., GROUP]: rows padded to whole groups, the row index last."""
+    pad = -a.shape[0] % GROUP
     if pad:
         a = np.concatenate((a, np.zeros((pad, *a.shape[1:]), a.dtype)))
-    a = a.reshape(-1, 8, *a.shape[1:])
+    a = a.reshape(-1, GROUP, *a.shape[1:])
     return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+
+def _fp16(a: np.ndarray) -> np.ndarray | None:
+    """``a`` as fp16 when that is exact (GGUF's scales are fp16), else None."""
+    h = a.astype(np.float16)
+    return h if np.array_equal(h.astype(np.float32), a) else None
 
 
 def _exact_products(d: np.ndarray, code_bits: int) -> bool:
@@ -95,13 +117,16 @@ def _pack_q4_1(blocks: np.ndarray) -> PackedWeight | None:
     qf = q.astype(np.float32)
     if not _exact_products(d, 4) or not np.array_equal(qf * d + lo, blocks):
         return None
+    d16, lo16 = _fp16(d[..., 0]), _fp16(lo[..., 0])
+    if d16 is None or lo16 is None:
+        return None
     pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # [N, nb, 16]
     n, nb, _ = blocks.shape
     return PackedWeight(
         "q4_1",
         torch.from_numpy(_groups(pairs)),
-        torch.from_numpy(_groups(d[..., 0])),
-        torch.from_numpy(_groups(lo[..., 0])),
+        torch.from_numpy(_groups(d16)),
+        torch.from_numpy(_groups(lo16)),
         (n, nb * QK),
     )
 
@@ -113,11 +138,14 @@ def _pack_q8_0(blocks: np.ndarray) -> PackedWeight | None:
     qf = q.astype(np.float32)
     if not _exact_products(d, 7) or not np.array_equal(qf * d, blocks):
         return None
+    d16 = _fp16(d[..., 0])
+    if d16 is None:
+        return None
     n, nb, _ = blocks.shape
     return PackedWeight(
         "q8_0",
         torch.from_numpy(_groups(q)),
-        torch.from_numpy(_groups(d[..., 0])),
+        torch.from_numpy(_groups(d16)),
         None,
         (n, nb * QK),
     )
@@ -137,43 +165,90 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         return fmt(blocks)
 
 
+class Lin(ctypes.Structure):
+    """One weight as gemv.h's ``lin_t`` reads it; ``keep`` holds the tensors it points into."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+    keep: tuple[torch.Tensor, ...] = ()
+
+
+_DENSE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_BLOCK_KINDS = {"q4_1": 3, "q8_0": 4}
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
+
+
+def lin_blocks(w: PackedWeight, bias: torch.Tensor | None = None) -> Lin:
+    """``w`` (and an fp32 copy of ``bias``) as a kernel descriptor."""
+    b = _bias(bias)
+    lin = Lin(_BLOCK_KINDS[w.kind], w.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr(),
+              0 if w.m is None else w.m.data_ptr(), 0 if b is None else b.data_ptr())  # fmt: skip
+    lin.keep = tuple(t for t in (w.q, w.d, w.m, b) if t is not None)
+    return lin
+
+
+def lin_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Lin | None:
+    """A row-major [N, K] fp32/bf16/fp16 CPU weight as a kernel descriptor, or None."""
+    kind = _DENSE_KINDS.get(weight.dtype)
+    if kind is None or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    w = weight.detach().contiguous()
+    b = _bias(bias)
+    lin = Lin(kind, w.shape[0], w.shape[1], w.data_ptr(), 0, 0, 0 if b is None else b.data_ptr())
+    lin.keep = tuple(t for t in (w, b) if t is not None)
+    return lin
+
+
 @cache
-def native_qgemm() -> Any | None:
-    """The compiled kernels, or None where they cannot be built."""
-    return native.bind(
-        Path(__file__).with_name("cpu_qgemm.c"),
-        {
-            "actorlm_gemm_q4_1": [_P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _T],
-            "actorlm_gemm_q8_0": [_P, _I, _I, _P, _P, _I, _I, _P, _I, _T],
-        },
-    )
+def native_qgemm(level: str = "") -> Any | None:
+    """The compiled kernel for ISA ``level`` (default: the best here), or None where it
+    cannot be built."""
+    lib = native.load(Path(__file__).with_name("cpu_qgemm.c"), level)
+    if lib is not None:
+        fn = lib.actorlm_linear
+        fn.argtypes = [ctypes.POINTER(Lin), _P, _I, _I, _I, _P, _I, _I, _T]
+        fn.restype = ctypes.c_int
+    return lib
 
 
-def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
-    """``x @ w.T`` for ``x`` [M, K] fp32 on the CPU, or None when the kernel cannot
-    take it (not built here, another device or dtype, a strided row)."""
-    lib = native_qgemm()
+def linear(x: torch.Tensor, lin: Lin, level: str = "") -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` for ``x`` [M, K] fp32 or bf16 on the CPU (the result in x's
+    dtype), or None when the kernel cannot take it (not built here, another device or
+    dtype, a strided row)."""
+    lib = native_qgemm(level)
     if (
         lib is None
         or x.device.type != "cpu"
-        or x.dtype != torch.float32
+        or x.dtype not in (torch.float32, torch.bfloat16)
         or x.dim() != 2
         or x.stride(1) != 1
     ):
         return None
-    N, K = w.shape
-    if x.shape[1] != K:
-        raise ValueError(f"x has {x.shape[1]} columns but the weight {K}")
-    y = x.new_empty(x.shape[0], N)
-    threads = torch.get_num_threads()
-    if w.kind == "q4_1":
-        lib.actorlm_gemm_q4_1(
-            x.data_ptr(), x.shape[0], x.stride(0), w.q.data_ptr(), w.d.data_ptr(),
-            w.m.data_ptr(), N, K, y.data_ptr(), N, threads,  # type: ignore[union-attr]
-        )  # fmt: skip
-    else:
-        lib.actorlm_gemm_q8_0(
-            x.data_ptr(), x.shape[0], x.stride(0), w.q.data_ptr(), w.d.data_ptr(),
-            N, K, y.data_ptr(), N, threads,
-        )  # fmt: skip
+    if x.shape[1] != lin.k:
+        raise ValueError(f"x has {x.shape[1]} columns but the weight {lin.k}")
+    y = x.new_empty(x.shape[0], lin.n)
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = lib.actorlm_linear(
+        ctypes.byref(lin), x.data_ptr(), bf16, x.shape[0], x.stride(0), y.data_ptr(), bf16,
+        lin.n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("cpu linear: out of memory for its bf16 staging")
     return y
+
+
+def gemm(x: torch.Tensor, w: PackedWeight, level: str = "") -> torch.Tensor | None:
+    """``x @ w.T`` for ``x`` [M, K] fp32 or bf16 on the CPU, or None when the kernel
+    cannot take it (see ``linear``)."""
+    return linear(x, lin_blocks(w), level)

@@ -1,5 +1,7 @@
-/* 8-float vectors for actorlm's C kernels (GCC/Clang vector extensions: AVX2 on
- * x86, two NEON registers on ARM, no intrinsics). Included by the kernels that
+/* Vectors for actorlm's C kernels (GCC/Clang vector extensions, no intrinsics): v8f
+ * is 8 floats (AVX2 on x86, two NEON registers on ARM); vf is the widest the build
+ * targets (VW lanes: 16 in the avx512 build, else 8), for loops that gain from
+ * AVX-512. bf16 and fp16 widen to fp32 here. Included by the kernels that
  * gpu/native.py builds; it hashes this file with them. */
 #ifndef ACTORLM_SIMD_H
 #define ACTORLM_SIMD_H
@@ -49,6 +51,103 @@ static inline v8f exp8(v8f x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
     return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+
+/* silu(g) = g * sigmoid(g), with exp taken of -|g| only (exp8's domain, no overflow). */
+static inline v8f silu8(v8f g) {
+    const v8f zero = {0};
+    const v8i sign = (v8i){0} + INT32_MIN, neg = g < zero;
+    const v8f e = exp8((v8f)((v8i)g | sign)); /* exp(-|g|) */
+    const v8f sig_pos = 1.f / (1.f + e), sig_neg = e / (1.f + e);
+    return g * (v8f)(((v8i)sig_neg & neg) | ((v8i)sig_pos & ~neg));
+}
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+
+static inline float hsumv(vf v) {
+#if VW == 16
+    const v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return hsum(lo + hi);
+#else
+    return hsum(v);
+#endif
+}
+
+/* bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest
+   even (as torch does; NaN payloads are not preserved). */
+static inline float bf16_f32(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+static inline uint16_t f32_bf16(float f) {
+    union { float f; uint32_t u; } c = {f};
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_bf16(uint16_t *p, vf v) {
+    const vu u = (vu)v;
+    *(vh *)p = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, vh);
+}
+
+/* 8 bf16 at a time, for element-wise loops (rounding to nearest even as above) */
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+static inline v8f load8_bf16(const uint16_t *p) {
+    return (v8f)(__builtin_convertvector(*(const v8h *)p, v8u) << 16);
+}
+static inline v8u bf16_bits8(v8f v) {
+    const v8u u = (v8u)v;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+static inline void store8_bf16(uint16_t *p, v8f v) { *(v8h *)p = __builtin_convertvector(bf16_bits8(v), v8h); }
+static inline v8f round8_bf16(v8f v) { return (v8f)(bf16_bits8(v) << 16); }
+
+/* IEEE half to fp32 without F16C (the generic build): exact for every value. */
+static inline float f16_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    union { uint32_t u; float f; } c;
+    if (e == 31) {
+        c.u = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        c.u = sign | ((e + 112) << 23) | (m << 13);
+    } else { /* zero or subnormal: m * 2^-24 */
+        c.f = (float)m * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+/* (the generic conversion compiles to two half-width widenings and a merge) */
+static inline vf load_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16);
+#endif
+}
+static inline vf load_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = f16_f32(p[i]);
+    return v;
+#endif
 }
 
 #endif

@@ -36,7 +36,8 @@ def _prompts(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Iterator[Engine]:
-    with Engine(str(tiny_llama), kv_cache_gb=0.05, max_prefill_tokens=256) as eng:
+    # float32: compared with fp32 transformers (auto is bf16 on CPUs with native bf16)
+    with Engine(str(tiny_llama), kv_cache_gb=0.05, max_prefill_tokens=256, dtype="float32") as eng:
         yield eng
 
 
@@ -179,7 +180,7 @@ def test_small_kv_pool_forces_retraction_and_outputs_survive(
     tiny_llama: Path, alone: dict[int, list[int]]
 ) -> None:
     prompts = _prompts(64)[:12]
-    with Engine(str(tiny_llama), num_pages=24, max_prefill_tokens=256) as small:
+    with Engine(str(tiny_llama), num_pages=24, max_prefill_tokens=256, dtype="float32") as small:
         outs = small.generate([ids for ids, _ in prompts], {**GREEDY, "max_new_tokens": 20})
         stats = small.stats()
     assert stats["scheduler"]["retractions"] > 0
@@ -248,7 +249,7 @@ def test_disaggregated_actors_over_tcp_from_one_deployment_file(
     tiny_llama: Path, tmp_path: Path, alone: dict[int, list[int]]
 ) -> None:
     roles = ["tokenizer", "scheduler", "cache_manager", "worker"]
-    lines = [f'[model]\npath = "{tiny_llama}"\nkv_cache_gb = 0.05\n']
+    lines = [f'[model]\npath = "{tiny_llama}"\nkv_cache_gb = 0.05\ndtype = "float32"\n']
     for role in roles:
         lines.append(f'[actors.{role}]\naddress = "tcp://127.0.0.1:{free_port()}"\n')
     deploy = tmp_path / "cluster.toml"

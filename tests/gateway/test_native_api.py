@@ -88,6 +88,10 @@ def test_info_endpoints(server: Server) -> None:
     status, info, _ = call(server, "GET", "/get_server_info")
     assert status == 200 and info["config"]["server"]["api_key"] == "***"
     assert {"scheduler", "cache_manager"} <= set(info["stats"])
+    # which dtype and instruction set run: "auto" resolved, the kernels' ISA named
+    assert info["config"]["model"]["dtype"] in ("float32", "bfloat16")
+    assert info["config"]["model"]["dtype"] == info["platform"]["dtype_auto"]
+    assert info["platform"]["kernel_isa"] in ("avx512", "avx2", "generic")
     assert call(server, "GET", "/health_generate")[0] == 200
     status, body, _ = call(
         server, "POST", "/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}

@@ -17,7 +17,14 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=1 << 20
 
 
 def make_runner(path: Path | str, **overrides: Any) -> ModelRunner:
-    opts: dict[str, Any] = {"path": str(path), "num_pages": 256, "page_size": 16}
+    """A runner in float32 unless told otherwise (``dtype="auto"`` picks bf16 on CPUs with
+    native bf16, and these tests compare with fp32 transformers)."""
+    opts: dict[str, Any] = {
+        "path": str(path),
+        "num_pages": 256,
+        "page_size": 16,
+        "dtype": "float32",
+    }
     opts.update(overrides)
     return ModelRunner(ModelConfig(**opts))
 
@@ -117,7 +124,8 @@ def assert_matches_hf(runner: ModelRunner, ref: Any, prompts: list[list[int]]) -
     pages = Pages()
     ours = runner.run([SeqSpec(p, 0, pages.table(f"r{i}", len(p))) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
-        assert (ours[i] - hf_last_logits(ref, prompt)).abs().max().item() < 1e-4
+        d = (ours[i] - hf_last_logits(ref, prompt)).abs().max().item()
+        assert d < 1e-4, d
     assert greedy(runner, "g", prompts[1], 32, pages) == hf_greedy(ref, prompts[1], 32)
 
 

@@ -72,9 +72,28 @@ def test_kernel_softmax_is_exact_on_peaked_and_long_contexts() -> None:
     assert (got - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 12)])
+def test_bf16_pools_take_the_bf16_kernel(heads: int, kv_heads: int, dim: int) -> None:
+    """fp32 arithmetic on the pool's bf16 values: within float rounding of fp32 SDPA on
+    the same values, then rounded once to bf16 (relative 2^-8)."""
+    torch.manual_seed(2)
+    pool, meta, q, k, v = decode_batch([5, 40, 17, 300], heads, kv_heads, dim, torch.bfloat16)
+    pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
+    pool32.kv.copy_(pool.kv)
+    ref = TorchNativeBackend(pool32, heads, dim)
+    ref.init_forward_metadata(meta)
+    want = ref.forward(q.float(), k.float(), v.float(), 1, meta)
+    ours = CpuBackend(pool, heads, dim)
+    assert ours._kernel is not None
+    ours.init_forward_metadata(meta)
+    got = ours.forward(q, k, v, 1, meta)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5)
+
+
 def test_other_dtypes_take_the_torch_path() -> None:
     torch.manual_seed(2)
-    pool, meta, q, k, v = decode_batch([5, 40], 4, 2, 16, torch.bfloat16)
+    pool, meta, q, k, v = decode_batch([5, 40], 4, 2, 16, torch.float16)
     want, got, ours = both(pool, meta, q, k, v, 4)
     assert ours._kernel is None
     assert torch.equal(got, want)
@@ -143,3 +162,58 @@ def test_softcapped_decodes_take_the_torch_path_and_cap() -> None:
     assert not meta.attn[8].decode.kernel_args  # the kernel does not cap
     ref = reference_decode(pool, meta, q, 1, 8, cap=5.0)
     assert (want - ref).abs().max().item() < 1e-5 and (got - ref).abs().max().item() < 1e-5
+
+
+def prefill_batch(
+    starts: list[int], news: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> tuple[KVPool, ForwardMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts (start 0) and chunks extending a cached prefix, pages shuffled, the cached
+    tokens' K/V random in the pool."""
+    ps = 16
+    need = [-(-(s + n) // ps) for s, n in zip(starts, news, strict=True)]
+    pool = KVPool(2, sum(need) + 2, ps, kv_heads, dim, dtype)
+    pool.kv.normal_()
+    pages = list(range(pool.num_pages))
+    random.Random(1).shuffle(pages)
+    seqs, at = [], 0
+    for s, n, k in zip(starts, news, need, strict=True):
+        seqs.append(SeqSpec(list(range(1, n + 1)), s, pages[at : at + k]))
+        at += k
+    meta = ForwardMeta.build(seqs, ps)
+    T = sum(news)
+    qkv = torch.randn(T, heads + 2 * kv_heads, dim)  # q, k, v as views of one buffer
+    q, k, v = qkv.to(dtype).split([heads, kv_heads, kv_heads], dim=1)
+    return pool, meta, q, k, v
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 2, 80), (8, 2, 12)]
+)
+def test_bf16_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    """A prompt of 150 tokens (blocks of 64 queries and keys and their tails), a chunk of
+    70 over a cached 40, one of 1 token over 300: fp32 arithmetic on the bf16 values,
+    against fp32 SDPA on the same values (output rounded once to bf16)."""
+    torch.manual_seed(3)
+    pool, meta, q, k, v = prefill_batch(
+        [0, 40, 300], [150, 70, 2], heads, kv_heads, dim, torch.bfloat16
+    )
+    pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
+    ref = TorchNativeBackend(pool32, heads, dim)
+    pool32.kv.copy_(pool.kv)
+    ref.init_forward_metadata(meta)
+    want = ref.forward(q.float(), k.float(), v.float(), 1, meta)
+    ours = CpuBackend(pool, heads, dim)
+    ours.init_forward_metadata(meta)
+    plan = meta.attn[0]
+    takes = dim % 16 == 0  # head sizes the kernel takes; others keep torch's path
+    assert all(bool(p.kernel_args) == takes for p in plan.prefills)
+    got = ours.forward(q, k, v, 1, meta)
+    assert got.dtype == torch.bfloat16
+    if not takes:
+        same = TorchNativeBackend(pool, heads, dim)
+        same.init_forward_metadata(meta)
+        assert torch.equal(got, same.forward(q, k, v, 1, meta))
+        return
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)

@@ -85,7 +85,7 @@ def test_registry_checks_and_platform_default(tiny_llama: Path) -> None:
     unset = CpuPlatform().adjust_defaults(EngineConfig())
     assert unset.model.quantization == "gguf"
     bf16 = EngineConfig(model=ModelConfig(dtype="bfloat16"))
-    assert CpuPlatform().adjust_defaults(bf16).model.quantization == "none"
+    assert CpuPlatform().adjust_defaults(bf16).model.quantization == "gguf"  # bf16 GEMMs
 
 
 class _Scaled(nn.Module):

@@ -53,6 +53,7 @@ def main() -> None:
         num_pages=32,  # 512 tokens: the six prompts below cannot all stay cached
         page_size=16,
         plugin_config={"example": {"greeting": "hello"}},  # --plugin-config example.greeting=hello
+        dtype="float32",  # compared with fp32 transformers (auto is bf16 on some CPUs)
     ) as engine:
         out["reference_prompt"] = prompts[0][:32]
         out["reference"] = _out(engine.generate(prompts[0][:32], {**greedy, "max_new_tokens": 6}))

@@ -13,11 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from actorlm.gpu.gguf_file import GGUFFile
-from actorlm.gpu.kernels.qgemm import QK, gemm, native_qgemm, pack
+from actorlm.gpu.kernels import native
+from actorlm.gpu.kernels.qgemm import QK, gemm, lin_blocks, lin_dense, linear, native_qgemm, pack
 from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, GGUFMethod, fbgemm_available
 from torch import nn
 
 from ..helpers import assert_matches_hf, hf_model, make_runner
+from .levels import LEVELS
 
 pytestmark = [
     pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)"),
@@ -98,6 +100,61 @@ def test_kernel_is_fp32_math_on_the_block_weights(kind: str) -> None:
     assert gemm(torch.randn(160, 4).t(), packed) is None  # column-major
     with pytest.raises(ValueError, match="columns"):
         gemm(torch.randn(2, 64), packed)
+
+
+ROWS = (1, 2, 3, 5, 8, 9, 17)  # tiles of 8 and every tail
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_each_isa_build_is_fp32_math_on_the_blocks(level: str, kind: str) -> None:
+    """Every level against torch's fp32 matmul on the blocks' values, with a bias, from
+    fp32 and from bf16 activations (rounded once to bf16 on the way out)."""
+    w = blocks((77, 160), kind, seed=2)  # 77 rows: a group of 16 and a part one
+    packed = pack(w)
+    assert packed is not None
+    b = torch.randn(77)
+    lin = lin_blocks(packed, b)
+    g = torch.Generator().manual_seed(3)
+    for rows in ROWS:
+        x = torch.randn(rows, 160, generator=g)
+        got = linear(x, lin, level)
+        assert got is not None
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        xb = x.bfloat16()
+        got16 = linear(xb, lin, level)
+        assert got16 is not None and got16.dtype == torch.bfloat16
+        want = F.linear(xb.float(), w, b)
+        torch.testing.assert_close(got16.float(), want, rtol=2**-8, atol=1e-3)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_isa_build_reads_dense_rows(level: str, dtype: torch.dtype) -> None:
+    """fp32/bf16/fp16 row-major weights (the none and fp16 methods, a bf16 model) against
+    torch's fp32 matmul on the same values; K off the vector width takes the tail loop."""
+    g = torch.Generator().manual_seed(4)
+    for n, k in ((77, 160), (9, 37)):
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
+        lin = lin_dense(w, b)
+        assert lin is not None
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=g)
+            got = linear(x, lin, level)
+            assert got is not None
+            torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
+
+
+def test_the_block_builds_agree_bit_for_bit() -> None:
+    """avx2 expands 8 rows a vector and avx512 16, in the same order lane by lane."""
+    here = native.supported_isas(native.cpu_flags(), native._is_x86())
+    if native.isa("avx512") not in here:
+        pytest.skip("this CPU lacks AVX-512")
+    for kind in ("q4_1", "q8_0"):
+        lin = lin_blocks(pack(blocks((100, 576), kind, seed=5)))  # type: ignore[arg-type]
+        for rows in ROWS:
+            x = torch.randn(rows, 576)
+            assert torch.equal(linear(x, lin, "avx2"), linear(x, lin, "avx512"))  # type: ignore[arg-type]
 
 
 def test_layer_runs_the_kernel_for_small_batches_and_fp16_for_large() -> None:

@@ -1,0 +1,110 @@
+"""What a forward step must cost at best, for bench/forward.py: the bytes a decode step
+reads and the FLOPs a prefill computes, for one ModelRunner as configured, and the
+machine's measured bandwidth and GEMM throughput to divide them by."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from actorlm.gpu.model_info import ModelInfo
+from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, native_lin
+from actorlm.gpu.runner import ModelRunner
+from torch import nn
+
+from bench import machine
+
+__all__ = ["Limits", "decode_bytes", "gemm_kind", "prefill_flops"]
+
+
+def _linears(model: nn.Module) -> list[nn.Module]:
+    """Every linear layer as the method converted it, the LM head included."""
+    found = [m for m in model.modules() if isinstance(m, nn.Linear | Fp16Linear | GGUFLinear)]
+    inner = {id(m.dense) for m in found if isinstance(m, GGUFLinear)}
+    found = [m for m in found if id(m) not in inner]
+    head = getattr(model, "head", None)
+    if head is not None and head not in found:
+        found.append(head)
+    return found
+
+
+def _shape(m: nn.Module) -> tuple[int, int]:
+    if isinstance(m, GGUFLinear):
+        return m.packed.shape
+    if isinstance(m, Fp16Linear):
+        lin = m.lin()
+        assert lin is not None
+        return lin.n, lin.k
+    assert isinstance(m, nn.Linear)
+    return m.out_features, m.in_features
+
+
+def _dense_bytes(m: nn.Module) -> int:
+    """What the layer reads for a batch beyond the block kernel's rows."""
+    if isinstance(m, GGUFLinear):
+        return _dense_bytes(m.dense)
+    n, k = _shape(m)
+    if isinstance(m, Fp16Linear):
+        return n * k * 2
+    assert isinstance(m, nn.Linear)
+    return m.weight.nbytes
+
+
+def decode_bytes(runner: ModelRunner, batch: int, context: int) -> int:
+    """Bytes one decode step of ``batch`` sequences over ``context`` cached tokens reads:
+    every weight once, as the step's path keeps it, and each sequence's K and V."""
+    small = runner.fused is not None and batch <= runner.fused.max_batch
+    total = 0
+    for m in _linears(runner.model):
+        if small or (isinstance(m, GGUFLinear) and batch <= GGUFLinear.KERNEL_MAX_ROWS):
+            lin = native_lin(m)
+            assert lin is not None
+            total += sum(t.nbytes for t in lin.keep)
+        else:
+            total += _dense_bytes(m)
+    model = runner.model
+    if getattr(model, "tied", False) and getattr(model, "head", None) is None:
+        total += model.lm_head_weight().nbytes  # logits straight from the embedding
+    info = runner.info
+    kv = runner.pool.kv.element_size() * 2 * info.num_layers * info.num_kv_heads * info.head_dim
+    return total + batch * context * kv
+
+
+def prefill_flops(model: nn.Module, info: ModelInfo, tokens: int) -> float:
+    """FLOPs of a fresh prompt: its linear layers (the LM head for one row) and causal
+    attention (QK^T and PV over the lower triangle)."""
+    head = getattr(model, "head", None)
+    flops = 0.0
+    for m in _linears(model):
+        n, k = _shape(m)
+        rows = 1 if m is head or n == info.vocab_size else tokens
+        flops += 2.0 * rows * n * k
+    attn = 2 * 2 * info.num_heads * info.head_dim * tokens * (tokens + 1) / 2
+    return flops + info.num_layers * attn
+
+
+def gemm_kind(runner: ModelRunner) -> str:
+    """The GEMM a prefill's linear layers run: machine.gemm_flops' dtype name."""
+    if runner.dtype == torch.bfloat16:
+        return "bfloat16"
+    if any(isinstance(m, Fp16Linear | GGUFLinear) for m in runner.model.modules()):
+        return "fp16w"
+    return "float32"
+
+
+class Limits:
+    """The machine's read bandwidth and GEMM throughput, measured once each."""
+
+    def __init__(self) -> None:
+        self.bandwidth = machine.read_bandwidth()
+        self.measured: dict[str, float] = {}
+
+    def gemm(self, kind: str, runner: ModelRunner, tokens: int = 512) -> float:
+        if kind not in self.measured:
+            shapes = {(tokens, *_shape(m)) for m in _linears(runner.model)}
+            shapes = {s for s in shapes if s[1] != runner.info.vocab_size}
+            self.measured[kind] = machine.gemm_flops(kind, shapes)["best"]
+        return self.measured[kind]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"read_bandwidth": self.bandwidth, "gemm": dict(self.measured)}

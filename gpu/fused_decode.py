@@ -1,0 +1,221 @@
+"""Decode steps as one native call (``kernels/step.py`` over ``cpu_step.c``), for any
+model that describes itself as a Llama-shaped decoder.
+
+A decode step at batch 1-8 through the model's Python is ~300 small kernel calls,
+each a dispatch and a thread fork/join; they cost more than the weights take to
+read. ``FusedDecoder`` reads the model's weights once, as descriptors of what its
+linear method left (GGUF blocks, fp16/bf16/fp32 rows), and then serves every step
+whose sequences all decode one token from the step's token ids, positions and page
+tables alone: the model's Python runs once, as a CUDA graph is captured once.
+Other steps (prefill, extend, mixed, larger batches) take the model's forward.
+
+A model family opts in with ``register_spec(ModelClass, fn)``: ``fn(model)`` returns
+its ``StepWeights`` (kernels/step.py), or None when this instance cannot be fused
+(another layer shape, a sliding window, a linear method the kernels cannot read).
+Only the exact class registered is fused: a subclass that changes the layer math
+(Qwen3's q/k norms, Gemma's norms) is never taken for its parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from .attention.base import AttentionBackend
+from .attention.cpu import CpuBackend
+from .attention.torch_native import TorchNativeBackend
+from .forward_meta import SeqSpec
+from .kernels.step import DecodeStep, LayerWeights, StepWeights, native_step
+from .kv_pool import KVPool
+from .models.layers import Attention, GatedMLP, RMSNorm
+from .models.llama import DecoderLayer, LlamaForCausalLM
+from .quantization import native_lin
+
+__all__ = ["FusedDecoder", "ThreadChooser", "register_spec"]
+
+log = logging.getLogger(__name__)
+
+_SPECS: dict[type, Callable[[Any], StepWeights | None]] = {}
+
+
+def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> None:
+    """Let ``model_cls`` (exactly) decode through the fused step, described by ``fn``."""
+    _SPECS[model_cls] = fn
+
+
+def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
+    """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2) as step weights."""
+    info = model.info
+    if any(model.layer_windows) or len(model.ropes) != 1 or info.final_logit_softcapping:
+        return None  # the kernel attends to the whole context with one RoPE table
+    if abs(model.attention_scale - info.head_dim**-0.5) > 1e-12:
+        return None
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, GatedMLP):
+            return None
+        if attn.q_norm is not None or attn.rotary_dim != info.head_dim or mlp.act != "silu":
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.eps != info.rms_norm_eps for n in norms):
+            return None
+        lins = [
+            native_lin(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if any(lin is None for lin in lins):
+            return None
+        qkv, o, gate_up, down = lins
+        layers.append(LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight))  # type: ignore[arg-type]
+    if model.head is not None:
+        head_module: nn.Module | None = model.head
+    elif not model.tied:
+        head_module = model.lm_head
+    else:
+        head_module = None
+    if head_module is not None:
+        head = native_lin(head_module)
+    else:
+        from .kernels.qgemm import lin_dense
+
+        head = lin_dense(model.lm_head_weight())
+    if head is None or type(model.model.norm) is not RMSNorm:
+        return None
+    return StepWeights(
+        embed=model.model.embed_tokens.weight.data,
+        layers=layers,
+        final_norm=model.model.norm.weight,
+        head=head,
+        eps=info.rms_norm_eps,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+    )
+
+
+register_spec(LlamaForCausalLM, llama_spec)
+
+
+class _RopeSteps(NamedTuple):
+    """What ``Rope.cos_sin`` reads of a step's ForwardMeta."""
+
+    positions: torch.Tensor
+    max_seq_len: int
+    seq_lens: list[int]
+    extend_lens: list[int]
+
+
+class ThreadChooser:
+    """The team size for each batch size, by measured step time: all of torch's threads,
+    or half of them. A thread team is only as fast as its slowest member, and on a
+    machine shared with other busy processes one of the team often waits for a core
+    (seen on the 2-core VM: batch-1 steps took 10 ms on one thread, 33 ms on two, while
+    other jobs ran; 4-5 ms and ~3 ms when it was quiet). Every ``EXPLORE``-th step of a
+    batch size tries the size it is not using, so the choice follows the load; the
+    results are the same bits either way."""
+
+    EXPLORE = 16
+    DECAY = 0.5  # of the moving average of step times: a few looks follow a change
+
+    def __init__(self) -> None:
+        self._ema: dict[tuple[int, int], float] = {}
+        self._steps: dict[int, int] = {}
+
+    def options(self) -> list[int]:
+        threads = torch.get_num_threads()
+        return sorted({threads, max(1, threads // 2)}, reverse=True)
+
+    def pick(self, batch: int) -> int:
+        options = self.options()
+        n = self._steps[batch] = self._steps.get(batch, 0) + 1
+        untried = [t for t in options if (batch, t) not in self._ema]
+        if untried:
+            return untried[0]
+        ranked = sorted(options, key=lambda t: self._ema[batch, t])
+        return ranked[-1] if n % self.EXPLORE == 0 else ranked[0]
+
+    def record(self, batch: int, threads: int, seconds: float) -> None:
+        old = self._ema.get((batch, threads))
+        self._ema[batch, threads] = (
+            seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        )
+
+
+class FusedDecoder:
+    """Serves decode-only steps of up to ``max_batch`` sequences in one native call."""
+
+    def __init__(
+        self, model: Any, step: DecodeStep, page_size: int, max_batch: int, level: str
+    ) -> None:
+        self.model = model
+        self.step = step
+        self.page_size = page_size
+        self.max_batch = max_batch
+        self.isa = level
+        self.threads = ThreadChooser()
+
+    @classmethod
+    def build(
+        cls, model: Any, backend: AttentionBackend, max_batch: int, level: str = ""
+    ) -> tuple[FusedDecoder | None, str]:
+        """The decoder over ``backend``'s pool, or None and the reason it cannot serve
+        this model here. Only the built-in backends: the step attends as they do, and a
+        plugin's backend must see every step it was chosen for."""
+        if max_batch <= 0:
+            return None, "turned off"
+        if type(backend) not in (CpuBackend, TorchNativeBackend):
+            return None, f"attention backend {type(backend).__name__}"
+        if any(getattr(model, "layer_windows", ())) or getattr(model, "attention_softcap", 0):
+            return None, "sliding-window or soft-capped attention"
+        pool, scale = backend.pool, backend.scale
+        spec = _SPECS.get(type(model))
+        if spec is None:
+            return None, f"{type(model).__name__} registers no fused step"
+        if type(pool) is not KVPool or pool.device.type != "cpu":
+            return None, f"{type(pool).__name__} on {pool.device}"
+        if native_step(level) is None:
+            return None, "no C compiler"
+        weights = spec(model)
+        if weights is None:
+            return None, "this model's layers or linear method"
+        if why := weights.check():
+            return None, why
+        step = DecodeStep(weights, pool.kv, pool.page_size, scale, level)
+        from .kernels import native
+
+        return cls(model, step, pool.page_size, max_batch, level or native.best_isa().name), ""
+
+    def accepts(self, seqs: Sequence[SeqSpec]) -> bool:
+        """Whether the step is this decoder's: every sequence decodes one token and is sampled."""
+        return 0 < len(seqs) <= self.max_batch and all(
+            len(s.input_ids) == 1 and s.sample for s in seqs
+        )
+
+    def run(self, seqs: Sequence[SeqSpec]) -> torch.Tensor:
+        """Logits [B, vocab] fp32 of one decode token per sequence; K and V go to the pool."""
+        B, ps = len(seqs), self.page_size
+        tokens = np.fromiter((s.input_ids[0] for s in seqs), np.int64, B)
+        pos = np.fromiter((s.start_pos for s in seqs), np.int64, B)
+        lens = pos + 1
+        width = int(-(-lens.max() // ps))
+        pages = np.zeros((B, width), np.int64)
+        for b, s in enumerate(seqs):
+            n = -(-int(lens[b]) // ps)
+            pages[b, :n] = s.page_ids[:n]
+        slots = pages[np.arange(B), pos // ps] * ps + pos % ps
+        steps = _RopeSteps(torch.from_numpy(pos), int(lens.max()), lens.tolist(), [1] * B)
+        cos, sin = self.model.ropes[0].cos_sin(steps)
+        half = cos.shape[-1]
+        cos = cos.reshape(B, half).to(torch.float32).contiguous()
+        sin = sin.reshape(B, half).to(torch.float32).contiguous()
+        threads = self.threads.pick(B)
+        t0 = time.perf_counter()
+        logits = self.step(tokens, cos, sin, slots, pages, lens, threads)
+        self.threads.record(B, threads, time.perf_counter() - t0)
+        return logits

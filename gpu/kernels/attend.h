@@ -1,0 +1,149 @@
+/* Decode attention of one (sequence, KV head) over the paged pool, K and V in fp32 or
+ * bf16 (widened as read), q and the output fp32: the shape of cpu_decode.c's kernel
+ * (scores 8 keys at a time with one transpose-add tree, softmax over the whole
+ * context, then the weighted sum of values page by page with the accumulators in
+ * registers), for the two KV dtypes. Used by cpu_step.c (the fused decode step,
+ * either dtype) and by its actorlm_paged_decode_kv (the cpu attention backend's
+ * decodes over a bf16 pool).
+ */
+#ifndef ACTORLM_ATTEND_H
+#define ACTORLM_ATTEND_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "simd.h"
+
+static inline __attribute__((always_inline)) v8f kv_load8(const int bf16, const void *p,
+                                                          int64_t off) {
+    if (bf16) return (v8f)(__builtin_convertvector(*(const v8h *)((const uint16_t *)p + off), v8u) << 16);
+    return *(const v8f *)((const float *)p + off);
+}
+static inline __attribute__((always_inline)) float kv_at(const int bf16, const void *p,
+                                                         int64_t off) {
+    return bf16 ? bf16_f32(((const uint16_t *)p)[off]) : ((const float *)p)[off];
+}
+
+/* s[0..n) = exp(s - m); returns their sum */
+static float att_exp_sum(float *s, int64_t n, float m) {
+    float sum = 0.f;
+    int64_t i = 0;
+    v8f acc = {0};
+    for (; i + 8 <= n; i += 8) {
+        v8f e = exp8(*(v8f *)(s + i) - m);
+        *(v8f *)(s + i) = e;
+        acc += e;
+    }
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum + hsum(acc);
+}
+
+static inline v8f att_pairs(v8f a, v8f b) { /* [a0+a1, b0+b1, a2+a3, b2+b3, ...] */
+    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+static inline v8f att_quads(v8f a, v8f b) {
+    return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+/* s[j] = q . k_j for the 8 key rows from element `off` of k (D % 8 == 0) */
+static inline __attribute__((always_inline)) v8f att_dot8(const int bf16, const float *q,
+                                                          const void *k, int64_t off,
+                                                          int64_t D) {
+    v8f a[8] = {{0}};
+    for (int64_t d = 0; d < D; d += 8) {
+        const v8f qv = *(const v8f *)(q + d);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) a[j] += qv * kv_load8(bf16, k, off + j * D + d);
+    }
+    const v8f lo = att_quads(att_pairs(a[0], a[1]), att_pairs(a[2], a[3]));
+    const v8f hi = att_quads(att_pairs(a[4], a[5]), att_pairs(a[6], a[7]));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+static inline __attribute__((always_inline)) float att_dot(const int bf16, const float *q,
+                                                           const void *k, int64_t off,
+                                                           int64_t D) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; d++) s += q[d] * kv_at(bf16, k, off + d);
+    return s;
+}
+
+/* acc[0, 8W) += sum_i s[i] * v[off + i * D .. + 8W) over n rows, in registers */
+static inline __attribute__((always_inline)) void att_weigh(const int bf16, float *acc,
+                                                            const float *s, const void *v,
+                                                            int64_t off, int64_t n, int64_t D,
+                                                            const int W) {
+    v8f a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < W; j++) a[j] = *(const v8f *)(acc + 8 * j);
+    for (int64_t i = 0; i < n; i++) {
+        const float si = s[i];
+#pragma GCC unroll 8
+        for (int j = 0; j < W; j++) a[j] += si * kv_load8(bf16, v, off + i * D + 8 * j);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < W; j++) *(v8f *)(acc + 8 * j) = a[j];
+}
+
+/* q [G, D] against `len` tokens whose pages are `table`; k and v point at this head's
+   [num_pages, page_size, D]. scores [G, len] and acc [G, D] are the caller's scratch;
+   out [G, D]. */
+static inline __attribute__((always_inline)) void attend_kv(
+    const int bf16, const float *q, const void *k, const void *v, const int64_t *table,
+    int64_t len, int64_t G, int64_t D, int64_t page_size, float scale, float *scores,
+    float *acc, float *out) {
+    const int64_t page_elems = page_size * D;
+    const int vec = D % 8 == 0;
+    const int64_t esize = bf16 ? 2 : 4;
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+        const int64_t off = table[t0 / page_size] * page_elems;
+        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        if (t0 + page_size < len) { /* the next page of K, beyond the prefetcher's reach */
+            const char *next = (const char *)k + table[t0 / page_size + 1] * page_elems * esize;
+            for (int64_t i = 0; i < page_elems * esize; i += 64) __builtin_prefetch(next + i, 0, 2);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = scores + g * len + t0;
+            int64_t i = 0;
+            if (vec)
+                for (; i + 8 <= n; i += 8)
+                    *(v8f *)(sg + i) = att_dot8(bf16, q + g * D, k, off + i * D, D) * scale;
+            for (; i < n; i++) sg[i] = att_dot(bf16, q + g * D, k, off + i * D, D) * scale;
+        }
+    }
+    float inv_sum[G];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * len, m = -INFINITY;
+        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        inv_sum[g] = 1.f / att_exp_sum(sg, len, m);
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+        const int64_t off = table[t0 / page_size] * page_elems;
+        const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        for (int64_t g = 0; g < G; g++) {
+            const float *sg = scores + g * len + t0;
+            float *ag = acc + g * D;
+            if (!vec) {
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t d = 0; d < D; d++) ag[d] += sg[i] * kv_at(bf16, v, off + i * D + d);
+                continue;
+            }
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
+#define WEIGH(w) \
+    case w: att_weigh(bf16, ag + d0, sg, v, off + d0, n, D, w); break;
+                    WEIGH(1) WEIGH(2) WEIGH(3) WEIGH(4) WEIGH(5) WEIGH(6) WEIGH(7) WEIGH(8)
+#undef WEIGH
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv_sum[g];
+}
+
+#endif

@@ -1,0 +1,264 @@
+/* A whole decode step of a Llama-shaped model in one call: tokens in, logits out.
+ *
+ * At decode batch sizes a step in PyTorch is some 300 small kernel calls (norms,
+ * GEMVs, RoPE, KV writes, attention), each a Python dispatch and an OpenMP fork/join
+ * costing more than its arithmetic. Here the thread team forms once per step and
+ * the phases of each layer are separated by barriers only:
+ *
+ *   qkv = norm(residual) @ Wqkv           (columns split over threads)
+ *   per (sequence, KV head): RoPE on q and k, k and v into the pool, attention
+ *   o = attn @ Wo;  residual += o         (every thread keeps its own copy of the
+ *   act = silu(gate) * up                  residual rows and their norm: a few KiB,
+ *   down = act @ Wdown; residual += down   cheaper than a barrier to share them)
+ *
+ * Weights stay where the model keeps them, in whatever format its linear method chose
+ * (gemv.h's lin_t: GGUF blocks, fp32/bf16/fp16 rows), KV in the pool's dtype (fp32 or
+ * bf16); activations are fp32 throughout. gpu/kernels/step.py builds the model_t once
+ * (the shape of a CUDA graph: Python describes the model once, not once a step).
+ */
+#include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attend.h"
+#include "gemv.h"
+
+typedef struct {
+    lin_t qkv, o, gate_up, down;
+    const float *in_norm, *post_norm; /* [hidden] fp32 */
+} layer_t;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    double eps, scale;
+    const layer_t *layers;
+    const void *embed; /* [vocab, hidden] */
+    int64_t embed_bf16;
+    const float *final_norm;
+    lin_t head;
+    void *kv; /* [layers, 2, kv_heads, num_pages, page_size, head_dim] */
+    int64_t kv_bf16, num_pages, page_size;
+} model_t;
+
+#define SILU_CHUNK 64 /* gate/up columns computed together: [B, 64] twice stays in L1 */
+
+/* The team's barrier between phases: a spin on one shared counter, without PAUSE, then
+   sched_yield. libgomp's barrier spins with PAUSE and then sleeps on a futex; in a VM
+   the first makes the hypervisor deschedule the spinning vCPU (pause-loop exiting) and
+   the second costs an inter-processor interrupt to wake it, each tens of microseconds
+   against phases of a few (measured on a 2-vCPU KVM guest: a decode step at batch 1
+   took 12-280 ms with libgomp's barrier, against 5 ms on one thread). */
+typedef struct {
+    _Atomic int64_t arrived; /* arrivals since the step began */
+} team_t;
+
+static void team_wait(team_t *team, int nt, int64_t *phase) {
+    const int64_t target = ++*phase * nt;
+    if (atomic_fetch_add_explicit(&team->arrived, 1, memory_order_acq_rel) + 1 == target) return;
+    for (int64_t spins = 0; atomic_load_explicit(&team->arrived, memory_order_acquire) < target;)
+        if (++spins % 4096 == 0) sched_yield(); /* the others lost their CPU: give it back */
+}
+
+/* o[r] = x[r] / rms(x[r]) * w, as cpu_ops.c's actorlm_rms_norm computes it */
+static void norm_rows(const float *x, const float *w, float *o, int64_t rows, int64_t dim,
+                      float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = x + r * dim;
+        const float scale = 1.f / sqrtf(dot(src, src, dim) / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) o[r * dim + i] = src[i] * scale * w[i];
+    }
+}
+
+static void add_rows(float *acc, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) acc[i] += x[i];
+}
+
+/* x[:half] <- x[:half] c - x[half:] s; x[half:] <- x[half:] c + x[:half] s */
+static void rope_head(float *x, const float *c, const float *s, int64_t half) {
+    float *b = x + half;
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = b[i];
+        x[i] = x1 * c[i] - x2 * s[i];
+        b[i] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+static void store_row(void *dst, int bf16, const float *src, int64_t n) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = f32_bf16(src[i]);
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+
+/* This thread's share [lo, hi) of n tasks */
+static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
+/* Sequence b's attention for KV head h in layer l: rotate its q heads and k, store k
+   and v at the new token's slot, attend over seq_len tokens. */
+static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, float *qkv,
+                           int64_t qkv_n, const float *cos_t, const float *sin_t, int64_t slot,
+                           const int64_t *pages, int64_t seq_len, float *scores, float *acc,
+                           float *out) {
+    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, half = D / 2;
+    const int64_t H = M->heads, Hkv = M->kv_heads;
+    float *row = qkv + b * qkv_n;
+    float *q = row + h * G * D, *k = row + (H + h) * D, *v = row + (H + Hkv + h) * D;
+    const float *c = cos_t + b * half, *s = sin_t + b * half;
+    for (int64_t g = 0; g < G; g++) rope_head(q + g * D, c, s, half);
+    rope_head(k, c, s, half);
+    const int64_t head_elems = M->num_pages * M->page_size * D;
+    const int64_t esize = M->kv_bf16 ? 2 : 4;
+    char *kbase = (char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
+    char *vbase = (char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
+    store_row(kbase + slot * D * esize, (int)M->kv_bf16, k, D);
+    store_row(vbase + slot * D * esize, (int)M->kv_bf16, v, D);
+    if (M->kv_bf16)
+        attend_kv(1, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, scores,
+                  acc, out);
+    else
+        attend_kv(0, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, scores,
+                  acc, out);
+}
+
+/* act[:, c0:c1] = silu(gate) * up, gate and up computed SILU_CHUNK columns at a time */
+static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hidden,
+                         int64_t inter, int64_t c0, int64_t c1, float *tg, float *tu,
+                         float *act) {
+    for (int64_t c = c0; c < c1; c += SILU_CHUNK) {
+        const int64_t w = c1 - c < SILU_CHUNK ? c1 - c : SILU_CHUNK;
+        /* lin_cols writes y[r * ys + col]: point y so column c lands at tg[0] */
+        lin_cols(L, xn, B, hidden, c, c + w, tg - c, w);
+        lin_cols(L, xn, B, hidden, inter + c, inter + c + w, tu - (inter + c), w);
+        for (int64_t r = 0; r < B; r++) {
+            const float *g = tg + r * w, *u = tu + r * w;
+            float *o = act + r * inter + c;
+            int64_t i = 0;
+            for (; i + 8 <= w; i += 8) *(v8f *)(o + i) = silu8(*(const v8f *)(g + i)) * *(const v8f *)(u + i);
+            for (; i < w; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        }
+    }
+}
+
+/*
+ * tokens [B]; cos, sin [B, head_dim / 2] fp32 (each sequence's new position);
+ * slots [B] flat KV slot of each new token; pages [B, table_stride] page ids;
+ * seq_lens [B] tokens to attend to (the new one included); logits [B, vocab] fp32.
+ * Returns 0, or -1 when scratch memory could not be allocated.
+ */
+int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, const float *cos_t,
+                        const float *sin_t, const int64_t *slots, const int64_t *pages,
+                        int64_t table_stride, const int64_t *seq_lens, int64_t max_len,
+                        float *logits, int threads) {
+    const int64_t Hd = M->hidden, D = M->head_dim, H = M->heads, Hkv = M->kv_heads;
+    const int64_t I = M->inter, G = H / Hkv;
+    const int64_t qkv_n = (H + 2 * Hkv) * D;
+    const float eps = (float)M->eps;
+    /* shared between the threads: each phase's output */
+    float *shared = malloc(sizeof(float) * (size_t)(B * (qkv_n + H * D + Hd + I)));
+    if (shared == NULL) return -1;
+    float *qkv = shared, *attn = qkv + B * qkv_n, *lin_out = attn + B * H * D, *act = lin_out + B * Hd;
+    int failed = 0;
+    team_t team = {0};
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t phase = 0;
+        float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + G * D +
+                                                     G * max_len + 8));
+        if (res == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *xn = res + B * Hd, *tg = xn + B * Hd, *tu = tg + B * SILU_CHUNK;
+            float *acc = tu + B * SILU_CHUNK, *scores = acc + G * D;
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t tok = tokens[b];
+                if (M->embed_bf16)
+                    for (int64_t i = 0; i < Hd; i++)
+                        res[b * Hd + i] = bf16_f32(((const uint16_t *)M->embed)[tok * Hd + i]);
+                else
+                    memcpy(res + b * Hd, (const float *)M->embed + tok * Hd, sizeof(float) * (size_t)Hd);
+            }
+            norm_rows(res, M->layers[0].in_norm, xn, B, Hd, eps);
+            int64_t c0, c1, lo, hi;
+            for (int64_t l = 0; l < M->num_layers; l++) {
+                const layer_t *L = &M->layers[l];
+                lin_part(qkv_n, t, nt, &c0, &c1);
+                lin_cols(&L->qkv, xn, B, Hd, c0, c1, qkv, qkv_n);
+                team_wait(&team, nt, &phase);
+                share(B * Hkv, t, nt, &lo, &hi);
+                for (int64_t task = lo; task < hi; task++) {
+                    const int64_t b = task / Hkv, h = task % Hkv;
+                    attention_task(M, l, b, h, qkv, qkv_n, cos_t, sin_t, slots[b],
+                                   pages + b * table_stride, seq_lens[b], scores, acc,
+                                   attn + b * H * D + h * G * D);
+                }
+                team_wait(&team, nt, &phase);
+                lin_part(Hd, t, nt, &c0, &c1);
+                lin_cols(&L->o, attn, B, H * D, c0, c1, lin_out, Hd);
+                team_wait(&team, nt, &phase);
+                add_rows(res, lin_out, B * Hd);
+                norm_rows(res, L->post_norm, xn, B, Hd, eps);
+                lin_part(I, t, nt, &c0, &c1);
+                gate_up_silu(&L->gate_up, xn, B, Hd, I, c0, c1, tg, tu, act);
+                team_wait(&team, nt, &phase);
+                lin_part(Hd, t, nt, &c0, &c1);
+                lin_cols(&L->down, act, B, I, c0, c1, lin_out, Hd);
+                team_wait(&team, nt, &phase);
+                add_rows(res, lin_out, B * Hd);
+                const float *next = l + 1 < M->num_layers ? M->layers[l + 1].in_norm : M->final_norm;
+                norm_rows(res, next, xn, B, Hd, eps);
+            }
+            lin_part(M->vocab, t, nt, &c0, &c1);
+            lin_cols(&M->head, xn, B, Hd, c0, c1, logits, M->vocab);
+        }
+        free(res);
+    }
+    free(shared);
+    return failed ? -1 : 0;
+}
+
+/* The cpu attention backend's decodes over a bf16 pool (cpu_decode.c reads fp32):
+   the arguments of actorlm_paged_decode, q and out fp32. */
+int actorlm_paged_decode_kv(const float *q, int64_t q_stride_b, const void *k, const void *v,
+                            int64_t kv_bf16, int64_t num_pages, const int64_t *pages,
+                            int64_t table_stride, const int64_t *seq_lens, float *out, int64_t B,
+                            int64_t Hkv, int64_t G, int64_t D, int64_t page_size, int64_t max_len,
+                            float scale, int threads) {
+    int failed = 0;
+    const int64_t head_elems = num_pages * page_size * D, esize = kv_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(max_len * G + G * D + 8));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (scores == NULL) continue;
+                const char *kh = (const char *)k + h * head_elems * esize;
+                const char *vh = (const char *)v + h * head_elems * esize;
+                const float *qb = q + b * q_stride_b + h * G * D;
+                float *ob = out + (b * Hkv + h) * G * D, *acc = scores + max_len * G;
+                if (kv_bf16)
+                    attend_kv(1, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
+                              scale, scores, acc, ob);
+                else
+                    attend_kv(0, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
+                              scale, scores, acc, ob);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,361 @@
+/* y[M, N] = x[M, K] @ W^T + bias for small M (decode), fp32 arithmetic, over one
+ * weight in any of the formats the linear methods keep (a `lin_t`):
+ *
+ *   LIN_F32, LIN_BF16, LIN_F16: W row-major [N, K]; each row meets up to MR rows of
+ *     x as dot products, every weight widened to fp32 once as it is read;
+ *   LIN_Q4_1 (w = q * d + m, q in 0..15), LIN_Q8_0 (w = q * d, q in -127..127): GGUF's
+ *     32-wide blocks with fp16 d (and m), interleaved by 16 output rows (a "group"),
+ *     so one vector holds the same k of 16 rows (two vectors on AVX2). Group g, block
+ *     b is at (g * K/32 + b): 16 scales (and 16 minimums), then for each k 16 bytes
+ *     (Q8_0), or for each pair of k 16 bytes whose low nibbles are k and high nibbles
+ *     k + 1 (Q4_1). A group's blocks follow one another, so the weight reads as one
+ *     stream. For each k a group's weights expand to fp32 once and meet each row of x
+ *     as a broadcast multiply-add (an outer product, as fbgemm does for fp16): a
+ *     decode step reads 5 (Q4_1) or 8.5 (Q8_0) bits a weight and computes with the
+ *     file's exact values. The avx512 build expands all 16 rows at once, the avx2
+ *     build 8 (each half of a group in turn, the second from L1), lane by lane in the
+ *     same order: their results are equal bit for bit.
+ *
+ * `lin_cols` computes a range of output columns on the calling thread; the caller
+ * splits the columns over threads (`lin_part`). Included by cpu_qgemm.c (one linear
+ * per call, from Python) and cpu_step.c (a whole decode step per call).
+ */
+#ifndef ACTORLM_GEMV_H
+#define ACTORLM_GEMV_H
+#include <stdint.h>
+#include "simd.h"
+
+#define QK 32
+#define MT_MAX 8 /* rows of x a block tile: 8 accumulators */
+
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_F16 = 2, LIN_Q4_1 = 3, LIN_Q8_0 = 4 };
+
+typedef struct {
+    int64_t kind, n, k;
+    const void *w;         /* dense: [n, k] row-major; blocks: the codes */
+    const uint16_t *d, *m; /* blocks: fp16 scales [n/16, k/32, 16], minimums (Q4_1) */
+    const float *bias;  /* [n] fp32, or NULL */
+} lin_t;
+
+#if defined(__AVX2__)
+/* 8 bytes to 8 int32 lanes; 8 halves to 8 floats */
+static inline v8i widen_u8(const uint8_t *p) {
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline v8i widen_s8(const int8_t *p) {
+    return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline v8f half8(const uint16_t *p) {
+    return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#else /* portable: correct, not fast */
+static inline v8i widen_u8(const uint8_t *p) {
+    v8i v;
+    for (int i = 0; i < 8; i++) v[i] = p[i];
+    return v;
+}
+static inline v8i widen_s8(const int8_t *p) {
+    v8i v;
+    for (int i = 0; i < 8; i++) v[i] = p[i];
+    return v;
+}
+static inline v8f half8(const uint16_t *p) {
+    v8f v;
+    for (int i = 0; i < 8; i++) v[i] = f16_f32(p[i]);
+    return v;
+}
+#endif
+
+#define GROUP 16 /* output rows interleaved in a block weight */
+
+/* The columns [c0, c1) of part `part` of `parts`, in whole groups. */
+static inline void lin_part(int64_t n, int part, int parts, int64_t *c0, int64_t *c1) {
+    const int64_t units = (n + GROUP - 1) / GROUP;
+    const int64_t u0 = units * part / parts, u1 = units * (part + 1) / parts;
+    *c0 = u0 * GROUP < n ? u0 * GROUP : n;
+    *c1 = u1 * GROUP < n ? u1 * GROUP : n;
+}
+
+/* Rows [0, MT) of x against halves [h0, h0 + NH) (8 rows each) of group g. With few
+   rows each row gets 2 or 4 accumulators a half (8 in all), so the chains of dependent
+   multiply-adds stay short; one row takes both halves in one pass (8 accumulators),
+   more rows one half at a time (the second from L1). */
+static inline __attribute__((always_inline)) void tile8(
+    const int q4, const float *x, int64_t xs, const uint8_t *q, const uint16_t *d,
+    const uint16_t *mn, int64_t nb, int64_t g, const int h0, const int NH, float *y, int64_t ys,
+    int64_t N, const int MT) {
+    const int acc_n = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+    v8f acc[2][MT_MAX]; /* half h, row r's a-th at [h][r * acc_n + a] */
+#pragma GCC unroll 2
+    for (int h = 0; h < NH; h++)
+#pragma GCC unroll 8
+        for (int i = 0; i < MT_MAX; i++) acc[h][i] = (v8f){0};
+    const int64_t qbytes = q4 ? 16 * GROUP : QK * GROUP; /* codes a block */
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t blk = g * nb + b;
+        if (h0) { /* the first half pulled this group into L1: meanwhile fetch the next */
+            const char *next = (const char *)q + (blk + nb) * qbytes;
+            for (int64_t i = 0; i < qbytes; i += 64) __builtin_prefetch(next + i, 0, 3);
+            __builtin_prefetch(d + (blk + nb) * GROUP, 0, 3);
+            if (q4) __builtin_prefetch(mn + (blk + nb) * GROUP, 0, 3);
+        }
+        const float *xb = x + b * QK;
+#pragma GCC unroll 2
+        for (int h = 0; h < NH; h++) {
+            const int64_t lane0 = (h0 + h) * 8;
+            const v8f dv = half8(d + blk * GROUP + lane0);
+            if (q4) {
+                const v8f mv = half8(mn + blk * GROUP + lane0);
+                const uint8_t *qb = q + blk * 16 * GROUP + lane0;
+                for (int k = 0; k < QK; k += 4) {
+#pragma GCC unroll 2
+                    for (int j = 0; j < 4; j += 2) { /* k + j and k + j + 1 share a byte */
+                        const v8i v = widen_u8(qb + (k + j) / 2 * GROUP);
+                        const v8f w0 = __builtin_convertvector(v & 15, v8f) * dv + mv;
+                        const v8f w1 = __builtin_convertvector(v >> 4, v8f) * dv + mv;
+#pragma GCC unroll 8
+                        for (int r = 0; r < MT; r++) {
+                            acc[h][r * acc_n + j % acc_n] += xb[r * xs + k + j] * w0;
+                            acc[h][r * acc_n + (j + 1) % acc_n] += xb[r * xs + k + j + 1] * w1;
+                        }
+                    }
+                }
+            } else {
+                const int8_t *qb = (const int8_t *)q + blk * QK * GROUP + lane0;
+                for (int k = 0; k < QK; k += 4) {
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        const v8f w =
+                            __builtin_convertvector(widen_s8(qb + (k + j) * GROUP), v8f) * dv;
+#pragma GCC unroll 8
+                        for (int r = 0; r < MT; r++) acc[h][r * acc_n + j % acc_n] += xb[r * xs + k + j] * w;
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < NH; h++) {
+        const int64_t n0 = g * GROUP + (h0 + h) * 8;
+        if (n0 >= N) break;
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; r++) {
+            v8f s = acc[h][r * acc_n];
+#pragma GCC unroll 4
+            for (int a = 1; a < acc_n; a++) s += acc[h][r * acc_n + a];
+            float *yr = y + r * ys + n0;
+            if (n0 + 8 <= N)
+                *(v8f *)yr = s;
+            else
+                for (int64_t n = 0; n < N - n0; n++) yr[n] = s[n];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+/* tile8 over both halves of group g at once, lane for lane the same operations. */
+static inline __attribute__((always_inline)) void tile16(
+    const int q4, const float *x, int64_t xs, const uint8_t *q, const uint16_t *d,
+    const uint16_t *mn, int64_t nb, int64_t g, float *y, int64_t ys, int64_t N, const int MT) {
+    const int acc_n = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+    v16f acc[MT_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT_MAX; i++) acc[i] = (v16f){0};
+    const int64_t qbytes = q4 ? 16 * GROUP : QK * GROUP;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t blk = g * nb + b;
+        { /* the next group, one group ahead of the hardware prefetcher */
+            const char *next = (const char *)q + (blk + nb) * qbytes;
+            for (int64_t i = 0; i < qbytes; i += 64) __builtin_prefetch(next + i, 0, 3);
+            __builtin_prefetch(d + (blk + nb) * GROUP, 0, 3);
+            if (q4) __builtin_prefetch(mn + (blk + nb) * GROUP, 0, 3);
+        }
+        const v16f dv = (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + blk * GROUP)));
+        const float *xb = x + b * QK;
+        if (q4) {
+            const v16f mv =
+                (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + blk * GROUP)));
+            const uint8_t *qb = q + blk * 16 * GROUP;
+            for (int k = 0; k < QK; k += 4) {
+#pragma GCC unroll 2
+                for (int j = 0; j < 4; j += 2) {
+                    const v16i v = (v16i)_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(qb + (k + j) / 2 * GROUP)));
+                    const v16f w0 = __builtin_convertvector(v & 15, v16f) * dv + mv;
+                    const v16f w1 = __builtin_convertvector(v >> 4, v16f) * dv + mv;
+#pragma GCC unroll 8
+                    for (int r = 0; r < MT; r++) {
+                        acc[r * acc_n + j % acc_n] += xb[r * xs + k + j] * w0;
+                        acc[r * acc_n + (j + 1) % acc_n] += xb[r * xs + k + j + 1] * w1;
+                    }
+                }
+            }
+        } else {
+            const int8_t *qb = (const int8_t *)q + blk * QK * GROUP;
+            for (int k = 0; k < QK; k += 4) {
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const v16i v = (v16i)_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(qb + (k + j) * GROUP)));
+                    const v16f w = __builtin_convertvector(v, v16f) * dv;
+#pragma GCC unroll 8
+                    for (int r = 0; r < MT; r++) acc[r * acc_n + j % acc_n] += xb[r * xs + k + j] * w;
+                }
+            }
+        }
+    }
+    const int64_t n0 = g * GROUP;
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; r++) {
+        v16f s = acc[r * acc_n];
+#pragma GCC unroll 4
+        for (int a = 1; a < acc_n; a++) s += acc[r * acc_n + a];
+        float *yr = y + r * ys + n0;
+        if (n0 + 16 <= N)
+            *(v16f *)yr = s;
+        else
+            for (int64_t n = 0; n < N - n0; n++) yr[n] = s[n];
+    }
+}
+#endif
+
+/* Groups [g0, g1) of a block weight, all M rows of x. */
+static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
+                        int64_t g1, float *y, int64_t ys) {
+    const int q4 = L->kind == LIN_Q4_1;
+    const uint8_t *q = (const uint8_t *)L->w;
+    const uint16_t *d = (const uint16_t *)L->d, *mn = (const uint16_t *)L->m;
+    const int64_t nb = L->k / QK, N = L->n;
+    for (int64_t g = g0; g < g1; g++) {
+        for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
+            const float *xm = x + m0 * xs;
+            float *ym = y + m0 * ys;
+            const int64_t mt = M - m0 < MT_MAX ? M - m0 : MT_MAX;
+#if defined(__AVX512F__)
+            switch (mt) {
+#define TILE(k) \
+    case k: tile16(q4, xm, xs, q, d, mn, nb, g, ym, ys, N, k); break;
+                TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+#undef TILE
+            }
+#else
+            if (mt == 1) {
+                tile8(q4, xm, xs, q, d, mn, nb, g, 0, 2, ym, ys, N, 1);
+                continue;
+            }
+            for (int h = 0; h < 2 && g * GROUP + h * 8 < N; h++) {
+                switch (mt) {
+#define TILE(k) \
+    case k: \
+        if (h) tile8(q4, xm, xs, q, d, mn, nb, g, 1, 1, ym, ys, N, k); \
+        else tile8(q4, xm, xs, q, d, mn, nb, g, 0, 1, ym, ys, N, k); \
+        break;
+                    TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+#undef TILE
+                }
+            }
+#endif
+        }
+    }
+}
+
+/* A dense weight's row i, elements [j, j + VW), as fp32. */
+static inline __attribute__((always_inline)) vf dense_load(const int kind, const void *w,
+                                                           int64_t off) {
+    if (kind == LIN_BF16) return load_bf16((const uint16_t *)w + off);
+    if (kind == LIN_F16) return load_f16((const uint16_t *)w + off);
+    return *(const vf *)((const float *)w + off);
+}
+static inline __attribute__((always_inline)) float dense_at(const int kind, const void *w,
+                                                            int64_t off) {
+    if (kind == LIN_BF16) return bf16_f32(((const uint16_t *)w)[off]);
+    if (kind == LIN_F16) return f16_f32(((const uint16_t *)w)[off]);
+    return ((const float *)w)[off];
+}
+
+#if VW == 16
+#define MR 4 /* rows of x a dense tile: NR * MR accumulators of 32 registers */
+#else
+#define MR 2 /* of 16 registers */
+#endif
+#define NR 4
+
+/* Output rows [n0, n0 + nr) against x rows [0, mr): nr * mr dot products over K. */
+static inline __attribute__((always_inline)) void dense_tile(const int kind, const void *w,
+                                                             int64_t K, const float *x, int64_t xs,
+                                                             int64_t n0, float *y, int64_t ys,
+                                                             const int nr, const int mr) {
+    vf acc[NR][MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) acc[i][r] = (vf){0};
+    int64_t k = 0;
+    const int esize = kind == LIN_F32 ? 4 : 2;
+    for (; k + VW <= K; k += VW) {
+#pragma GCC unroll 4
+        for (int i = 0; i < nr; i++) {
+            /* the next tile's rows at this column: nr short streams defeat the
+               hardware prefetcher, so ask for them one tile ahead */
+            if ((k * esize) % 64 == 0)
+                __builtin_prefetch((const char *)w + ((n0 + nr + i) * K + k) * esize, 0, 3);
+            const vf wv = dense_load(kind, w, (n0 + i) * K + k);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) acc[i][r] += wv * *(const vf *)(x + r * xs + k);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < nr; i++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            float s = hsumv(acc[i][r]);
+            for (int64_t t = k; t < K; t++) s += dense_at(kind, w, (n0 + i) * K + t) * x[r * xs + t];
+            y[r * ys + n0 + i] = s;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void dense_cols_kind(
+    const int kind, const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t c0, int64_t c1,
+    float *y, int64_t ys) {
+    const int64_t K = L->k;
+    for (int64_t n = c0; n < c1; n += NR) {
+        const int nr = c1 - n < NR ? (int)(c1 - n) : NR;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+            const float *xm = x + m0 * xs;
+            float *ym = y + m0 * ys;
+            switch (nr * 8 + mr) { /* one specialised tile per shape */
+#define T(a, b) \
+    case a * 8 + b: dense_tile(kind, L->w, K, xm, xs, n, ym, ys, a, b); break;
+                T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(1, 2) T(2, 2) T(3, 2) T(4, 2)
+#if MR == 4
+                T(1, 3) T(2, 3) T(3, 3) T(4, 3) T(1, 4) T(2, 4) T(3, 4) T(4, 4)
+#endif
+#undef T
+            }
+        }
+    }
+}
+
+/* y[:, c0:c1] = (x @ W^T + bias)[:, c0:c1] on this thread. For block weights c0 is a
+   multiple of GROUP and c1 one too, or N. */
+static void lin_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t c0,
+                     int64_t c1, float *y, int64_t ys) {
+    if (c1 <= c0) return;
+    switch (L->kind) {
+        case LIN_Q4_1:
+        case LIN_Q8_0: blocks_cols(L, x, M, xs, c0 / GROUP, (c1 + GROUP - 1) / GROUP, y, ys); break;
+        case LIN_BF16: dense_cols_kind(LIN_BF16, L, x, M, xs, c0, c1, y, ys); break;
+        case LIN_F16: dense_cols_kind(LIN_F16, L, x, M, xs, c0, c1, y, ys); break;
+        default: dense_cols_kind(LIN_F32, L, x, M, xs, c0, c1, y, ys); break;
+    }
+    if (L->bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = c0; c < c1; c++) y[r * ys + c] += L->bias[c];
+}
+
+#endif

@@ -1,0 +1,200 @@
+"""The binding of ``cpu_step.c``: a whole decode step of a Llama-shaped model in one
+native call, and the bf16-pool decode attention the ``cpu`` backend uses.
+
+``DecodeStep`` takes the model as plain data (``StepWeights``: each linear a ``Lin``
+descriptor, norms as fp32 vectors) once, and then runs steps from the step's inputs
+alone: token ids, positions' cos/sin, KV slots, page tables and lengths. The model's
+Python never runs for such a step, as a CUDA graph replays a captured decode on a GPU
+(``gpu/fused_decode.py`` builds it from a model and decides which steps it serves).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import native
+from .qgemm import Lin
+
+__all__ = ["DecodeStep", "LayerWeights", "StepWeights", "native_step"]
+
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", Lin),
+        ("o", Lin),
+        ("gate_up", Lin),
+        ("down", Lin),
+        ("in_norm", _P),
+        ("post_norm", _P),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _I),
+        ("hidden", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("inter", _I),
+        ("vocab", _I),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("embed", _P),
+        ("embed_bf16", _I),
+        ("final_norm", _P),
+        ("head", Lin),
+        ("kv", _P),
+        ("kv_bf16", _I),
+        ("num_pages", _I),
+        ("page_size", _I),
+    ]
+
+
+@cache
+def native_step(level: str = "") -> Any | None:
+    """The compiled kernels for ISA ``level`` (default: the best here), or None."""
+    lib = native.load(Path(__file__).with_name("cpu_step.c"), level)
+    if lib is None:
+        return None
+    step = lib.actorlm_decode_step
+    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _T]
+    step.restype = ctypes.c_int
+    attn = lib.actorlm_paged_decode_kv
+    attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T]
+    attn.restype = ctypes.c_int
+    return lib
+
+
+@dataclass
+class LayerWeights:
+    qkv: Lin  # rows [q | k | v], heads in order
+    o: Lin
+    gate_up: Lin  # rows [gate | up]
+    down: Lin
+    in_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor
+
+
+@dataclass
+class StepWeights:
+    """A Llama-shaped decoder as the kernel reads it (pre-norm RMSNorm layers, RoPE in
+    the halves layout, SiLU-gated MLP, any GQA grouping)."""
+
+    embed: torch.Tensor  # [vocab, hidden] fp32 or bf16
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    head: Lin  # [vocab, hidden]
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    keep: list[Any] = field(default_factory=list)  # tensors the descriptors point into
+
+    def check(self) -> str:
+        """Why the kernel cannot run these weights, or "" when it can."""
+        if (
+            self.embed.dtype not in (torch.float32, torch.bfloat16)
+            or not self.embed.is_contiguous()
+        ):
+            return f"embedding of dtype {self.embed.dtype}"
+        if self.head_dim % 2 or self.num_heads % self.num_kv_heads:
+            return "head layout"
+        hidden = self.embed.shape[1]
+        for layer in self.layers:
+            inter = layer.down.k
+            if layer.gate_up.n != 2 * inter or inter % 16:
+                return f"intermediate size {inter} (a multiple of 16 is needed)"
+            qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            if (layer.qkv.n, layer.qkv.k, layer.o.k, layer.o.n) != (
+                qkv,
+                hidden,
+                self.num_heads * self.head_dim,
+                hidden,
+            ):
+                return "linear shapes"
+        return ""
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float32).contiguous()
+
+
+class DecodeStep:
+    """One model over one KV pool, built once; ``__call__`` runs a decode step."""
+
+    def __init__(
+        self, weights: StepWeights, kv: torch.Tensor, page_size: int, scale: float, level: str = ""
+    ) -> None:
+        """``kv`` is the pool's tensor [layers, 2, kv_heads, pages, page_size, head_dim]."""
+        lib = native_step(level)
+        if lib is None:
+            raise RuntimeError("the decode-step kernel cannot be built here")
+        if kv.dtype not in (torch.float32, torch.bfloat16) or not kv.is_contiguous():
+            raise ValueError(f"KV pool of dtype {kv.dtype}")
+        self._fn = lib.actorlm_decode_step
+        self.weights = weights
+        self.vocab = weights.head.n
+        norms = [(_f32(x.in_norm), _f32(x.post_norm)) for x in weights.layers]
+        final = _f32(weights.final_norm)
+        layers = (_Layer * len(weights.layers))(
+            *(
+                _Layer(x.qkv, x.o, x.gate_up, x.down, a.data_ptr(), b.data_ptr())
+                for x, (a, b) in zip(weights.layers, norms, strict=True)
+            )
+        )
+        self._keep = (norms, final, layers, kv)
+        self._model = _Model(
+            num_layers=len(weights.layers),
+            hidden=weights.embed.shape[1],
+            heads=weights.num_heads,
+            kv_heads=weights.num_kv_heads,
+            head_dim=weights.head_dim,
+            inter=weights.layers[0].down.k,
+            vocab=self.vocab,
+            eps=weights.eps,
+            scale=scale,
+            layers=layers,
+            embed=weights.embed.data_ptr(),
+            embed_bf16=int(weights.embed.dtype == torch.bfloat16),
+            final_norm=final.data_ptr(),
+            head=weights.head,
+            kv=kv.data_ptr(),
+            kv_bf16=int(kv.dtype == torch.bfloat16),
+            num_pages=kv.shape[3],
+            page_size=page_size,
+        )
+
+    def __call__(
+        self,
+        tokens: np.ndarray,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: np.ndarray,
+        pages: np.ndarray,
+        seq_lens: np.ndarray,
+        threads: int = 0,
+    ) -> torch.Tensor:
+        """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
+        [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
+        ``threads`` threads (default torch's count; the results do not depend on it)."""
+        B = tokens.shape[0]
+        logits = torch.empty(B, self.vocab)
+        rc = self._fn(
+            ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
+            slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
+            int(seq_lens.max()), logits.data_ptr(), threads or torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("decode step: out of memory for its scratch")
+        return logits

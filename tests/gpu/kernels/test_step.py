@@ -1,0 +1,187 @@
+"""The fused decode step (kernels/step.py over cpu_step.c, gpu/fused_decode.py) against
+the model's own forward on the same weights and steps: every linear method, every ISA
+build, GQA and qkv bias, ragged batches over shuffled pages; which steps it takes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from actorlm.gpu.attention.torch_native import TorchNativeBackend
+from actorlm.gpu.forward_meta import SeqSpec
+from actorlm.gpu.fused_decode import FusedDecoder, ThreadChooser
+from actorlm.gpu.kernels.step import native_step
+from actorlm.gpu.quantization import fbgemm_available
+from actorlm.gpu.runner import ModelRunner
+
+from ..helpers import hf_model, make_runner
+from .levels import LEVELS
+from .test_qgemm import _block_model
+
+pytestmark = pytest.mark.skipif(native_step() is None, reason="needs a C compiler")
+
+TOL = 1e-4  # fp32 both ways, different summation orders; logits are O(10)
+
+
+def decode_steps(
+    runner: ModelRunner, prompts: list[list[int]], steps: int, seed: int = 0
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill ``prompts`` (one batch), then ``steps`` greedy decode steps of all of them;
+    pages handed out shuffled, so tables are not runs. Returns each step's logits."""
+    ids = list(range(runner.pool.num_pages))
+    random.Random(seed).shuffle(ids)
+    take = iter(ids)
+    tables: dict[int, list[int]] = {}
+
+    def table(i: int, n: int) -> list[int]:
+        t = tables.setdefault(i, [])
+        while len(t) * runner.pool.page_size < n:
+            t.append(next(take))
+        return list(t)
+
+    logits = runner.run([SeqSpec(p, 0, table(i, len(p))) for i, p in enumerate(prompts)])
+    out = [[int(x.argmax())] for x in logits]
+    pos = [len(p) for p in prompts]
+    seen = []
+    for _ in range(steps):
+        seqs = [SeqSpec([o[-1]], pos[i], table(i, pos[i] + 1)) for i, o in enumerate(out)]
+        logits = runner.run(seqs)
+        seen.append(logits)
+        for i, row in enumerate(logits):
+            out[i].append(int(row.argmax()))
+            pos[i] += 1
+    return seen, out
+
+
+PROMPTS = [list(range(100, 141)), [5, 17, 923, 4, 4, 88, 1200, 31, 7], [42], list(range(7, 40))]
+
+
+def assert_fused_matches_model(path: Path, level: str = "", **opts: object) -> ModelRunner:
+    fused = make_runner(path, **opts)
+    if level:
+        fused.fused, why = FusedDecoder.build(fused.model, fused.backend, 8, level)
+        assert fused.fused is not None, why
+    plain = make_runner(path, fused_decode_max_batch=0, **opts)
+    assert fused.fused is not None and plain.fused is None
+    got, got_tokens = decode_steps(fused, PROMPTS, 6)
+    want, want_tokens = decode_steps(plain, PROMPTS, 6)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max().item() < TOL
+    return fused
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_isa_build_matches_the_model(tiny_llama: Path, level: str) -> None:
+    assert_fused_matches_model(tiny_llama, level)
+
+
+@pytest.fixture(scope="module")
+def qwen2_bias(
+    tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Tiny Qwen2, one KV head for four query heads, non-zero q/k/v biases."""
+    src = tiny_model_factory("qwen2", num_key_value_heads=1)
+    model = hf_model(src)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    out = tmp_path_factory.mktemp("tiny-qwen2-bias")
+    model.save_pretrained(str(out))
+    for f in src.glob("tokenizer*"):
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def test_mha(tiny_model_factory: Callable[..., Path]) -> None:
+    assert_fused_matches_model(tiny_model_factory("llama", num_key_value_heads=4))
+
+
+def test_gqa_with_qkv_bias(qwen2_bias: Path) -> None:
+    assert_fused_matches_model(qwen2_bias)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)")
+@pytest.mark.parametrize("method", ["fp16", "gguf"])
+def test_every_linear_method(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, method: str
+) -> None:
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    runner = assert_fused_matches_model(path, quantization=method)
+    kinds = {lin.kind for lin in (runner.fused.step.weights.head,)}  # type: ignore[union-attr]
+    assert kinds == ({4} if method == "gguf" else {2})  # Q8_0 blocks; fp16 rows
+
+
+def test_which_steps_it_takes(tiny_llama: Path) -> None:
+    runner = make_runner(tiny_llama, fused_decode_max_batch=2)
+    fused = runner.fused
+    assert fused is not None
+    one = SeqSpec([5], 3, [0])
+    assert fused.accepts([one]) and fused.accepts([one, one])
+    assert not fused.accepts([one, one, one])  # beyond max_batch
+    assert not fused.accepts([SeqSpec([5, 6], 3, [0])])  # an extend
+    assert not fused.accepts([one, SeqSpec([5, 6], 0, [0])])  # mixed
+    assert not fused.accepts([SeqSpec([5], 3, [0], sample=False)])
+    assert not fused.accepts([])
+    assert make_runner(tiny_llama, fused_decode_max_batch=0).fused is None
+
+
+def test_models_it_cannot_describe_keep_their_forward(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    windowed = make_runner(tiny_model_factory("mistral", sliding_window=64))
+    assert windowed.fused is None
+    decoder, why = FusedDecoder.build(object(), windowed.backend, 8)
+    assert decoder is None and "registers no fused step" in why
+
+
+def test_a_plugins_attention_backend_sees_every_step(tiny_llama: Path) -> None:
+    class Recording(TorchNativeBackend):
+        pass
+
+    runner = make_runner(tiny_llama)
+    backend = Recording(runner.pool, runner.info.num_heads, runner.info.head_dim)
+    decoder, why = FusedDecoder.build(runner.model, backend, 8)
+    assert decoder is None and why == "attention backend Recording"
+
+
+def test_results_do_not_depend_on_the_thread_count(tiny_llama: Path) -> None:
+    """Each output column and each (sequence, head) is one thread's whole job, and the
+    norms are computed alike by every thread: 1 or 3 threads give the same bits."""
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 3):
+            out.append(decode_steps(make_runner(tiny_llama, num_threads=threads), PROMPTS, 3)[0])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+def test_the_team_size_follows_the_measured_step_times() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        chooser = ThreadChooser()
+        assert chooser.options() == [4, 2]
+        slow = {4: 0.010, 2: 0.004}  # a busy machine: the smaller team is faster
+        picks = []
+        for _ in range(64):
+            t = chooser.pick(1)
+            picks.append(t)
+            chooser.record(1, t, slow[t])
+        assert picks[:2] == [4, 2]  # each tried once
+        assert picks.count(4) == 1 + 64 // ThreadChooser.EXPLORE  # then only to look again
+        quiet = {4: 0.002, 2: 0.004}  # the load went away
+        for _ in range(64):
+            t = chooser.pick(1)
+            chooser.record(1, t, quiet[t])
+        assert chooser.pick(1) == 4
+        assert chooser.pick(3) == 4  # each batch size learns on its own
+    finally:
+        torch.set_num_threads(before)

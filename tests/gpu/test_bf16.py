@@ -1,0 +1,105 @@
+"""bfloat16 against transformers run in bfloat16 on the same weights (and both against
+fp32 transformers), tiny random models and the default model.
+
+Tolerances, relative to the largest logit of the reference (``scale``): bf16 keeps 8
+bits of mantissa and transformers' own bf16 logits lie 2-8% of scale from its fp32 ones
+on these models. Ours prefill through torch's bf16 GEMMs (as transformers does) and
+decode with fp32 arithmetic over bf16 weights and KV (or the GGUF's exact blocks):
+
+- prefill logits within 3% of scale of transformers bf16;
+- decode logits, fed transformers' greedy tokens, within 5% of scale of its bf16 ones,
+  and the same argmax at every step where its top two differ by more than 2% of scale;
+- no farther from fp32 transformers than its bf16 model is, within 1.5x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from actorlm.gpu.forward_meta import SeqSpec
+
+from .helpers import Pages, make_runner
+from .kernels.test_qgemm import _block_model
+
+STEPS = 16
+
+
+def hf(path: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def hf_greedy_logits(model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    from transformers import DynamicCache
+
+    cache, ids, tokens, logits = DynamicCache(), torch.tensor([prompt]), [], []
+    for _ in range(steps):
+        row = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+        logits.append(row)
+        tokens.append(int(row.argmax()))
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens, torch.stack(logits)
+
+
+def forced_logits(
+    path: Path, quantization: str, prompt: list[int], tokens: list[int]
+) -> torch.Tensor:
+    """Ours in bf16: the prompt, then ``tokens`` fed one decode step each."""
+    runner = make_runner(path, dtype="bfloat16", quantization=quantization, num_pages=64)
+    assert runner.fused is not None  # decode steps take the fused native step
+    pages = Pages()
+    rows = [runner.run([SeqSpec(prompt, 0, pages.table("a", len(prompt)))])[0]]
+    for i, tok in enumerate(tokens[:-1]):
+        n = len(prompt) + i
+        rows.append(runner.run([SeqSpec([tok], n, pages.table("a", n + 1))])[0])
+    return torch.stack(rows)
+
+
+def check(path: Path, quantization: str, prompt: list[int]) -> None:
+    tokens, want = hf_greedy_logits(hf(path, torch.bfloat16), prompt, STEPS)
+    got = forced_logits(path, quantization, prompt, tokens)
+    scale = want.abs().max().item()
+    diff = (got - want).abs().max(dim=-1).values
+    assert diff[0] <= 0.03 * scale, ("prefill", diff[0].item(), scale)
+    assert diff[1:].max() <= 0.05 * scale, ("decode", diff.tolist(), scale)
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.02 * scale
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    with torch.inference_mode():
+        ref = hf(path, torch.float32)(input_ids=torch.tensor([prompt + tokens[:-1]])).logits
+    ref = ref[0, len(prompt) - 1 :].float()
+    ours, theirs = (got - ref).abs().max().item(), (want - ref).abs().max().item()
+    assert ours <= 1.5 * theirs, (ours, theirs)
+
+
+PROMPT = list(range(100, 141))
+
+
+def test_tiny_model(tiny_llama: Path) -> None:
+    check(tiny_llama, "none", PROMPT)
+
+
+def test_tiny_block_model_decodes_its_exact_blocks(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    check(path, "gguf", PROMPT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_default_model(default_gguf: Path, tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    check(default_gguf, "gguf", tok("Write a short poem about the sea.\n")["input_ids"])
