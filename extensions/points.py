@@ -25,6 +25,7 @@ __all__ = [
     "MODELS",
     "PLATFORMS",
     "QUANTIZATION_METHODS",
+    "REASONING_PARSERS",
     "WEIGHT_LOADERS",
     "load_builtins",
 ]
@@ -32,15 +33,17 @@ __all__ = [
 MODELS: Registry[Any] = get_registry("model architecture", "config.json architectures")
 ATTENTION_BACKENDS: Registry[Any] = get_registry("attention backend", "--attention-backend")
 WEIGHT_LOADERS: Registry[Any] = get_registry("weight loader", "--load-format")
-# Declared for plugins to fill, but no part of the engine reads them yet: no flag selects
-# from them until structured output and the LoRA loader land.
-GRAMMAR_BACKENDS: Registry[Any] = get_registry(
-    "grammar backend", unused="structured output is not built yet"
-)
+# Subclasses of actorlm.gpu.grammar.BaseGrammarBackend; one compiles every constrained
+# request in the worker (--grammar-fallback names the next one to try).
+GRAMMAR_BACKENDS: Registry[Any] = get_registry("grammar backend", "--grammar-backend")
+# actorlm.actors.tokenizer.reasoning.ReasoningFormat values: where thinking starts and ends.
+REASONING_PARSERS: Registry[Any] = get_registry("reasoning parser", "--reasoning-parser")
 EVICTION_POLICIES: Registry[Any] = get_registry("KV eviction policy", "--eviction-policy")
 HICACHE_STORAGE: Registry[Any] = get_registry(
     "HiCache storage backend", "--hicache-storage-backend"
 )
+# Declared for plugins to fill, but no part of the engine reads it yet: no flag selects
+# from it until the LoRA loader lands.
 LORA_EVICTION_POLICIES: Registry[Any] = get_registry(
     "LoRA eviction policy", unused="the LoRA loader is not built yet"
 )
@@ -58,8 +61,10 @@ BUILTIN_MODULES = (
     "actorlm.gpu.logit_processors",
     "actorlm.gpu.platforms",
     "actorlm.gpu.quantization",
+    "actorlm.gpu.grammar",
     "actorlm.actors.cache.eviction",
     "actorlm.actors.cache.hicache",
+    "actorlm.actors.tokenizer.reasoning",
     "actorlm.actors.roles",
 )
 

@@ -1,0 +1,132 @@
+"""The ``llguidance`` grammar backend: an Earley parser over a lazy lexer, so building a
+matcher is cheap and masks are computed as decoding goes (GIL released).
+
+Every constraint becomes an llguidance grammar text (JSON schema, regex, GBNF-style
+EBNF converted to Lark, structural tags as lazy triggers), checked by building its
+matcher: an error there is the client's 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from .base import BaseGrammarBackend, BaseGrammarObject, GrammarContext, GrammarError
+from .tags import legacy_structural_tag
+
+__all__ = ["GuidanceBackend", "GuidanceGrammar"]
+
+
+def _first_line(text: str) -> str:
+    # llguidance appends its parser state and the grammar to an error: keep the cause.
+    return text.strip().split("\n", 1)[0]
+
+
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_OPEN = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
+def _strict(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` where it leaves them open: the
+    output has the properties the schema names, as xgrammar's strict mode does (else a
+    model may add keys without end). Left alone under ``allOf``, where each branch
+    names only some of the properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_strict(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _strict(s) for name, s in out[key].items()}
+    is_object = schema.get("type") == "object" or "properties" in schema
+    if is_object and "allOf" not in schema and not any(k in schema for k in _OPEN):
+        out["additionalProperties"] = False
+    return out
+
+
+class GuidanceGrammar(BaseGrammarObject):
+    def __init__(self, matcher: object) -> None:
+        self.matcher = matcher
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self.matcher.consume_token(token))  # type: ignore[attr-defined]
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)  # type: ignore[attr-defined]
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())  # type: ignore[attr-defined]
+
+    def fill_vocab_mask(self, mask: torch.Tensor, idx: int) -> None:
+        # Straight into the row (llguidance.torch would import torch.compile machinery).
+        row = mask[idx]
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())  # type: ignore[attr-defined]
+
+    def copy(self) -> GuidanceGrammar:
+        return GuidanceGrammar(self.matcher.deep_copy())  # type: ignore[attr-defined]
+
+
+class GuidanceBackend(BaseGrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, ctx: GrammarContext) -> None:
+        super().__init__(ctx)
+        import llguidance
+        import llguidance.hf
+
+        self._llg = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            ctx.tokenizer, n_vocab=ctx.vocab_size, eos_token=list(ctx.eos_token_ids)
+        )
+
+    def _grammar(self, grammar: str) -> GuidanceGrammar:
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_first_line(matcher.get_error()))
+        return GuidanceGrammar(matcher)
+
+    def dispatch_json(self, schema: str) -> GuidanceGrammar:
+        options = {"whitespace_flexible": self.ctx.any_whitespace}
+        try:
+            strict = _strict(json.loads(schema))
+            grammar = self._llg.LLMatcher.grammar_from_json_schema(strict, defaults=options)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise GrammarError(f"not valid JSON: {_first_line(str(exc))}") from None
+        return self._grammar(grammar)
+
+    def dispatch_regex(self, regex: str) -> GuidanceGrammar:
+        return self._grammar(self._llg.LLMatcher.grammar_from_regex(regex))
+
+    def dispatch_ebnf(self, ebnf: str) -> GuidanceGrammar:
+        try:
+            grammar = self._llg.grammar_from("ebnf", ebnf)
+        except ValueError as exc:
+            raise GrammarError(_first_line(str(exc))) from None
+        return self._grammar(grammar)
+
+    def dispatch_structural_tag(self, tag: str) -> GuidanceGrammar:
+        legacy = legacy_structural_tag(tag)
+        if legacy is None:
+            raise GrammarError("llguidance reads structural tags only as {structures, triggers}")
+        structures, triggers = legacy
+        tags = [
+            self._llg.StructTag(
+                trigger=next(t for t in triggers if s["begin"].startswith(t)),
+                begin=s["begin"],
+                grammar=json.dumps(s["schema"]),
+                end=s["end"],
+            )
+            for s in structures
+        ]
+        # Triggers are text here, not special tokens (``<tool_call>`` is plain text to
+        # most tokenizers).
+        return self._grammar(self._llg.StructTag.to_grammar(tags, assume_special=False))
