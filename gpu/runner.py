@@ -14,12 +14,13 @@ from actorlm.config import ModelConfig
 from actorlm.extensions.plugins import current_platform
 from actorlm.extensions.points import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from actorlm.extensions.registry import import_object
-from actorlm.messages.step import ForwardBatch, SeqError, SeqStep, StepResult
+from actorlm.messages.step import ForwardBatch, SeqError, SeqInit, SeqResult, SeqStep, StepResult
 
 from . import attention  # noqa: F401  (registers the built-in backends)
 from .cuda_graphs import capture_decode_graphs, use_cuda_graphs
 from .cuda_step import check_pool_fits, upload_meta
 from .forward_meta import ForwardMeta, SeqSpec
+from .grammar.manager import GrammarManager
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .platforms import resolve_dtype
@@ -93,19 +94,25 @@ class ModelRunner:
         from .sampling import Sampler
 
         self.sampler = Sampler(info.vocab_size, self.device)
+        # Structured output: the worker sets this (it knows the tokenizer); None serves none.
+        self.grammars: GrammarManager | None = None
         self.graphs = capture_decode_graphs(self, max_len, pad_page=num_pages) if graphs else None
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
         t0 = time.perf_counter()
+        grammars = self.grammars
         for rid in batch.release:
             self.sampler.release(rid)
+            if grammars is not None:
+                grammars.release(rid)
         errors: list[SeqError] = []
         seqs = batch.seqs
         for s in batch.seqs:
             if s.init is not None:
                 try:
                     self.sampler.add(s.rid, s.init)  # builds its logit processors
+                    self._start_grammar(s.rid, s.init)
                 except ValueError as exc:
                     errors.append(SeqError(s.rid, str(exc)))
         if errors:
@@ -114,15 +121,45 @@ class ModelRunner:
         results = []
         rids = [s.rid for s in seqs if s.sample]
         if seqs:
+            # The constrained rows' masks fill on the grammar thread while the model runs;
+            # a batch without constrained rows pays nothing.
+            fill, constrained = None, []
+            if grammars is not None and len(grammars):
+                constrained = [i for i, rid in enumerate(rids) if rid in grammars]
+                if constrained:
+                    fill = grammars.fill_async([rids[i] for i in constrained])
             logits = self.forward_logits(seqs)
             if rids:
-                results = self.sampler.sample(rids, logits)
+                masks = None
+                if fill is not None:
+                    masks = {constrained[j]: row for j, row in fill.result().items()}
+                results = self.sampler.sample(rids, logits, masks)
+            if fill is not None:
+                errors += self._advance_grammars(results)
         return StepResult(
             step_id=batch.step_id,
             results=results,
             errors=errors,
             forward_ms=(time.perf_counter() - t0) * 1e3,
         )
+
+    def _start_grammar(self, rid: str, init: SeqInit) -> None:
+        if init.sampling.constraint is None:
+            return
+        if self.grammars is None:
+            raise ValueError("this worker serves no structured output")
+        self.grammars.start(rid, init.sampling, init.token_ids, init.prompt_len)
+
+    def _advance_grammars(self, results: list[SeqResult]) -> list[SeqError]:
+        """Each constrained row's matcher takes its sampled token. One that refuses it (a
+        mask left nothing but a banned token, min_new_tokens say) ends that request."""
+        assert self.grammars is not None
+        failed = []
+        for r in results:
+            if not self.grammars.accept(r.rid, r.token_id):
+                message = "the output can no longer match its constraint"
+                failed.append(SeqError(r.rid, message))
+        return failed
 
     def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""

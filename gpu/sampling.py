@@ -23,9 +23,11 @@ equal outputs unless the scheduler gives each its own seed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..messages.sampling import SamplingParams
@@ -50,8 +52,22 @@ def _allowed(masks: Sequence[torch.Tensor], vocab_size: int, device: torch.devic
     """Masks → ``[M, V]`` bool. A bool mask is ``[V]`` (True: may sample); an int32 one is a
     packed ``[ceil(V/32)]`` bitmask (bit j of word w allows token 32*w + j, xgrammar's layout).
     Tokens past a short mask's end are disallowed (the model's vocab may be padded)."""
-    out = torch.zeros(len(masks), vocab_size, dtype=torch.bool, device=device)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
+    if all(m.dtype == torch.int32 and m.shape == masks[0].shape for m in masks):
+        # Grammar bitmasks (one width for a batch) unpack in one go, not row by row; on
+        # the CPU numpy's unpackbits does it ~100x faster than shifts (little-endian
+        # words: byte 0 holds tokens 0-7, bit 0 first).
+        words = torch.stack(list(masks))
+        if device.type == "cpu" and sys.byteorder == "little":
+            flat = np.unpackbits(words.numpy().view(np.uint8), axis=-1, bitorder="little")
+            bits = torch.from_numpy(flat).view(torch.bool)
+        else:
+            words = words.to(device, non_blocking=True)
+            bits = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+        if bits.shape[1] >= vocab_size:
+            return bits[:, :vocab_size]
+        return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    out = torch.zeros(len(masks), vocab_size, dtype=torch.bool, device=device)
     for i, mask in enumerate(masks):
         mask = mask.to(device, non_blocking=True)
         if mask.dtype != torch.bool:
@@ -322,8 +338,11 @@ class Sampler:
         if masks:
             mask_idx = sorted(masks)
             allowed = _allowed([masks[i] for i in mask_idx], x.shape[-1], x.device)
-            mask_rows = self._rows(mask_idx)
-            x[mask_rows] = x[mask_rows].masked_fill(~allowed, _NEG_INF)
+            if mask_idx == list(range(len(seqs))):  # every row constrained: no gather
+                x = torch.where(allowed, x, _NEG_INF)
+            else:
+                mask_rows = self._rows(mask_idx)
+                x[mask_rows] = torch.where(allowed, x[mask_rows], _NEG_INF)
         return x
 
     def _draw(self, z: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
