@@ -9,7 +9,8 @@
   in the Hermes format (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
   Qwen2.5/Qwen3's); a structural tag makes every call it starts valid. A template
   that renders no tools cannot offer them, so the request is answered as ``"none"``
-  and the response says so (``warnings``);
+  and the response says so (``warnings``); without ``parallel_tool_calls`` only the
+  first call is kept;
 - ``"none"``: the tools reach the template, nothing is constrained or parsed.
 """
 
@@ -38,6 +39,7 @@ class ToolPlan:
     constraint: dict[str, str]  # SamplingParams fields
     template_tools: list[dict[str, Any]]  # for the chat template
     name: str = ""  # the named function
+    parallel: bool = True  # more than one call allowed (parallel_tool_calls)
 
 
 def _tools(f: Fields) -> list[dict[str, Any]]:
@@ -103,7 +105,8 @@ def plan_tools(f: Fields, template_has_tools: bool) -> tuple[ToolPlan | None, li
             for t in tools
         ]
         tag = {"type": "structural_tag", "structures": structures, "triggers": [CALL_START]}
-        return ToolPlan("auto", {"structural_tag": json.dumps(tag)}, tools), []
+        plan = ToolPlan("auto", {"structural_tag": json.dumps(tag)}, tools, parallel=parallel)
+        return plan, []
     if choice == "required":
         calls = [
             {
@@ -172,7 +175,9 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[s
                 return text, []
         if found:
             rest = _HERMES.sub("", text).strip()
-            return rest or None, found
+            # Without parallel_tool_calls the first call is the answer (a structural tag
+            # cannot count calls).
+            return rest or None, found if plan.parallel else found[:1]
     return text, []
 
 

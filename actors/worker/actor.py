@@ -74,6 +74,7 @@ class WorkerActor(Actor):
         from ...gpu.grammar.base import GrammarContext
         from ...gpu.grammar.manager import GrammarSetup
         from ...gpu.grammar.reasoner import ThinkTokens
+        from ..tokenizer import reasoning  # noqa: F401  (registers the built-in formats)
         from ..tokenizer.tokenization import load_tokenizer
 
         cfg = self.config.grammar

@@ -9,6 +9,7 @@ matcher: an error there is the client's 400.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ def _first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0]
 
 
+_ANGLED = re.compile(r"(<[^<>\s]+>)")  # what an added token such as <tool_call> looks like
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
@@ -94,11 +96,22 @@ class GuidanceBackend(BaseGrammarBackend):
             raise GrammarError(_first_line(matcher.get_error()))
         return GuidanceGrammar(matcher)
 
+    def _json_options(self, schema: Any) -> Any:
+        """``schema`` made strict, with the whitespace rule in its ``x-guidance``."""
+        strict = _strict(schema)
+        if isinstance(strict, dict):
+            options = {
+                "whitespace_flexible": self.ctx.any_whitespace,
+                **strict.get("x-guidance", {}),
+            }
+            strict = {**strict, "x-guidance": options}
+        return strict
+
     def dispatch_json(self, schema: str) -> GuidanceGrammar:
-        options = {"whitespace_flexible": self.ctx.any_whitespace}
         try:
-            strict = _strict(json.loads(schema))
-            grammar = self._llg.LLMatcher.grammar_from_json_schema(strict, defaults=options)  # type: ignore[arg-type]
+            grammar = self._llg.LLMatcher.grammar_from_json_schema(
+                self._json_options(json.loads(schema))
+            )
         except ValueError as exc:
             raise GrammarError(f"not valid JSON: {_first_line(str(exc))}") from None
         return self._grammar(grammar)
@@ -118,15 +131,29 @@ class GuidanceBackend(BaseGrammarBackend):
         if legacy is None:
             raise GrammarError("llguidance reads structural tags only as {structures, triggers}")
         structures, triggers = legacy
-        tags = [
-            self._llg.StructTag(
-                trigger=next(t for t in triggers if s["begin"].startswith(t)),
-                begin=s["begin"],
-                grammar=json.dumps(s["schema"]),
-                end=s["end"],
-            )
-            for s in structures
-        ]
-        # Triggers are text here, not special tokens (``<tool_call>`` is plain text to
-        # most tokenizers).
-        return self._grammar(self._llg.StructTag.to_grammar(tags, assume_special=False))
+        # Free text (lazily matched) until a trigger, then begin, the JSON, end. A trigger
+        # or end that is one of the tokenizer's added tokens (Qwen's <tool_call>) must be
+        # written as that token: llguidance never matches added tokens as text.
+        rules = [f"start: ({' | '.join(f'tag_{i}' for i in range(len(structures)))})* TEXT"]
+        rules.append("TEXT: /(.|\\n)*/")
+        for i, s in enumerate(structures):
+            trigger = next(t for t in triggers if s["begin"].startswith(t))
+            schema = json.dumps(self._json_options(s["schema"]))
+            body = f"{self._lark_text(s['begin'][len(trigger) :])} %json {schema} {self._lark_text(s['end'])}"
+            if self._is_special(trigger):
+                rules.append(f"tag_{i}: TEXT {trigger} {body}")
+            else:
+                rules.append(f"tag_{i}_trigger[lazy]: TEXT {json.dumps(trigger)}")
+                rules.append(f"tag_{i}: tag_{i}_trigger {body}")
+        return self._grammar(self._llg.LLMatcher.grammar_from_lark("\n".join(rules)))
+
+    def _lark_text(self, text: str) -> str:
+        """``text`` as a Lark sequence: added tokens bare, the rest as string literals."""
+        parts = [p for p in _ANGLED.split(text) if p]
+        return " ".join(p if self._is_special(p) else json.dumps(p) for p in parts)
+
+    def _is_special(self, text: str) -> bool:
+        if not _ANGLED.fullmatch(text):
+            return False
+        ids = self.tokenizer.tokenize_str(text)
+        return len(ids) == 1 and bool(self.tokenizer.is_special_token(ids[0]))

@@ -158,7 +158,11 @@ class GrammarManager:
         errors: list[str] = []
         for name in self.order:
             try:
-                grammar = self._backend(name).dispatch(kind, value)
+                backend = self._backend(name)
+            except Exception as exc:  # the server's problem, said as such
+                return Compiled("", None, f"the {name} grammar backend cannot start: {exc}")
+            try:
+                grammar = backend.dispatch(kind, value)
             except Exception as exc:  # a bad constraint is the client's 400, never a crash
                 errors.append(str(exc) or type(exc).__name__)
                 if len(errors) == 1 and len(self.order) > 1:

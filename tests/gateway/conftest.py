@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -72,15 +73,13 @@ def _status(url: str) -> int:
         return 0
 
 
-@pytest.fixture(scope="package")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextlib.contextmanager
+def serve(model: Path, log: Path, *flags: str) -> Iterator[Server]:
+    """A real ``actorlm serve`` of ``model`` on a free port, healthy, stopped after."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [
         sys.executable, "-m", "actorlm.cli", "serve",
-        "--model", str(tiny_llama), "--port", str(port),
-        "--api-key", API_KEY, "--max-queued-requests", str(MAX_QUEUED),
-        "--kv-cache-gb", "0.05", "--drain-timeout-s", "10",
+        "--model", str(model), "--port", str(port), "--api-key", API_KEY, *flags,
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -90,7 +89,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    srv = Server(proc, f"http://127.0.0.1:{port}", tiny_llama.name, log)
+    srv = Server(proc, f"http://127.0.0.1:{port}", model.name, log)
     health = f"{srv.url}/health"
     seen_503 = False
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -118,3 +117,11 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 for pid in kids:
                     if alive(pid):
                         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="package")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    flags = ["--max-queued-requests", str(MAX_QUEUED), "--kv-cache-gb", "0.05"]
+    with serve(tiny_llama, log, *flags, "--drain-timeout-s", "10") as srv:
+        yield srv

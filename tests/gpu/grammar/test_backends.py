@@ -87,6 +87,15 @@ def test_rollback_copy_and_termination(backend: BaseGrammarBackend) -> None:
     assert allowed(_mask(fork)) == [EOS]
 
 
+def test_json_strings_take_no_raw_control_characters(backend: BaseGrammarBackend) -> None:
+    tok = backend.ctx.tokenizer
+    for schema in ('{"type": "string", "maxLength": 5}', '{"type": "string"}'):
+        grammar = backend.dispatch("json_schema", schema)
+        assert grammar.accept_token(tok.encode('"', add_special_tokens=False)[0])  # type: ignore[attr-defined]
+        texts = [tok.decode([t]) for t in allowed(_mask(grammar))]  # type: ignore[attr-defined]
+        assert texts and not [t for t in texts if any(ord(c) < 0x20 for c in t)]
+
+
 def test_a_finished_grammar_allows_only_the_stop_token(backend: BaseGrammarBackend) -> None:
     grammar = backend.dispatch("regex", "yes")
     for t in backend.ctx.tokenizer.encode("yes", add_special_tokens=False):  # type: ignore[attr-defined]
