@@ -11,6 +11,7 @@ from __future__ import annotations
 from actorlm.extensions.points import (
     ATTENTION_BACKENDS,
     EVICTION_POLICIES,
+    GRAMMAR_BACKENDS,
     HICACHE_STORAGE,
     LOGIT_PROCESSORS,
     MODELS,
@@ -55,4 +56,9 @@ def register() -> None:
         "example_force_token",
         f"{_PKG}.logits:ForceToken",
         help="always sample params['token_id']",
+    )
+    GRAMMAR_BACKENDS.register(
+        "example_recording_grammar",
+        f"{_PKG}.grammar:RecordingGrammarBackend",
+        help="xgrammar, recording each compile",
     )
