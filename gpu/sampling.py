@@ -244,8 +244,10 @@ class Sampler:
         seqs = self._lookup(rids, logits)
         if not rids:
             return []
-        if not masks and all(s.plain and not s.banning for s in seqs):
-            argmax: list[int] = logits.argmax(dim=-1).tolist()  # the common case: 1 kernel, 1 sync
+        if all(s.plain and not s.banning for s in seqs):
+            # The common case: 1 kernel, 1 sync (grammar masks, if any, first).
+            picked = self._masked(logits, masks) if masks else logits
+            argmax: list[int] = picked.argmax(dim=-1).tolist()
             for s in seqs:
                 s.generated += 1
             return [SeqResult(rid, tok) for rid, tok in zip(rids, argmax, strict=True)]
@@ -335,15 +337,19 @@ class Sampler:
                 if row.data_ptr() != x[i].data_ptr():  # the processor returned a new tensor
                     x[i] = row
 
-        if masks:
-            mask_idx = sorted(masks)
-            allowed = _allowed([masks[i] for i in mask_idx], x.shape[-1], x.device)
-            if mask_idx == list(range(len(seqs))):  # every row constrained: no gather
-                x = torch.where(allowed, x, _NEG_INF)
-            else:
-                mask_rows = self._rows(mask_idx)
-                x[mask_rows] = torch.where(allowed, x[mask_rows], _NEG_INF)
-        return x
+        return self._masked(x, masks) if masks else x
+
+    def _masked(self, x: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``x`` with the disallowed tokens of the masked rows at -inf: a new tensor,
+        ``x`` untouched."""
+        mask_idx = sorted(masks)
+        allowed = _allowed([masks[i] for i in mask_idx], x.shape[-1], x.device)
+        if mask_idx == list(range(x.shape[0])):  # every row constrained: no gather
+            return torch.where(allowed, x, _NEG_INF)
+        out = x.clone()
+        mask_rows = self._rows(mask_idx)
+        out[mask_rows] = torch.where(allowed, x[mask_rows], _NEG_INF)
+        return out
 
     def _draw(self, z: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """Sample each row of ``z`` ``[R, V]`` (processed logits) per its params."""

@@ -99,7 +99,7 @@ class GrammarManager:
         self._setup: GrammarSetup | None = None
         self._setup_error = ""
         self._backends: dict[str, BaseGrammarBackend] = backends if backends is not None else {}
-        self._build_lock = threading.Lock()
+        self._build_lock = threading.RLock()  # backends and the setup are built once
         self._cache: OrderedDict[tuple[str, str], Future[Compiled]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._compiles = ThreadPoolExecutor(
@@ -155,27 +155,25 @@ class GrammarManager:
             return Compiled(
                 "", None, "structured output is off on this server (--grammar-backend none)"
             )
-        errors: list[str] = []
+        invalid: list[str] = []  # what the backends said about the constraint
+        broken: list[str] = []  # backends that could not start (the server's problem)
         for name in self.order:
             try:
                 backend = self._backend(name)
-            except Exception as exc:  # the server's problem, said as such
-                return Compiled("", None, f"the {name} grammar backend cannot start: {exc}")
+            except Exception as exc:
+                broken.append(f"the {name} grammar backend cannot start: {exc}")
+                continue
             try:
                 grammar = backend.dispatch(kind, value)
             except Exception as exc:  # a bad constraint is the client's 400, never a crash
-                errors.append(str(exc) or type(exc).__name__)
-                if len(errors) == 1 and len(self.order) > 1:
-                    log.info(
-                        "%s could not compile a %s (%s); trying %s",
-                        name,
-                        label,
-                        exc,
-                        self.order[-1],
-                    )
+                invalid.append(str(exc) or type(exc).__name__)
+                if name != self.order[-1]:
+                    log.info("%s could not compile a %s (%s); trying the next", name, label, exc)
                 continue
             return Compiled(name, grammar, compile_ms=(time.perf_counter() - t0) * 1e3)
-        return Compiled("", None, f"invalid {label}: {errors[0]}")
+        if invalid:
+            return Compiled("", None, f"invalid {label}: {invalid[0]}")
+        return Compiled("", None, broken[0])
 
     def _backend(self, name: str) -> BaseGrammarBackend:
         backend = self._backends.get(name)
@@ -190,15 +188,18 @@ class GrammarManager:
 
     def setup(self) -> GrammarSetup:
         """The model's tokenizer and think tokens, loaded once (raises what loading did)."""
-        if self._setup is None:
-            if self._setup_error:
-                raise RuntimeError(self._setup_error)
-            try:
-                self._setup = self._load()
-            except Exception as exc:
-                self._setup_error = f"structured output is unavailable: {exc}"
-                raise RuntimeError(self._setup_error) from exc
-        return self._setup
+        if self._setup is not None:
+            return self._setup
+        with self._build_lock:
+            if self._setup is None:
+                if self._setup_error:
+                    raise RuntimeError(self._setup_error)
+                try:
+                    self._setup = self._load()
+                except Exception as exc:
+                    self._setup_error = f"structured output is unavailable: {exc}"
+                    raise RuntimeError(self._setup_error) from exc
+            return self._setup
 
     # -- requests ------------------------------------------------------------------
     def __contains__(self, rid: object) -> bool:
