@@ -243,6 +243,39 @@ def machine() -> dict[str, Any]:
     return info
 
 
+class Timed:
+    """Seconds spent in parts of the step, by wrapping them on their instances: the
+    sampler (masks applied there), the matchers' fill (on the mask thread, beside the
+    forward pass) and accept (after sampling)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.spent = {"sample": 0.0, "fill": 0.0, "accept": 0.0}
+        self._wrap(runner.sampler, "sample", "sample")
+        self._wrap(runner, "_advance_grammars", "accept")
+        self._managers: set[int] = set()
+
+    def _wrap(self, obj: Any, attr: str, key: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent[key] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+
+    def attach(self, manager: GrammarManager) -> None:
+        if id(manager) not in self._managers:
+            self._managers.add(id(manager))
+            self._wrap(manager, "fill", "fill")
+
+    def reset(self) -> None:
+        for key in self.spent:
+            self.spent[key] = 0.0
+
+
 class Decoder:
     """B sequences decoding through one ModelRunner, free or constrained."""
 
@@ -259,6 +292,7 @@ class Decoder:
         self.tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         self.steps = steps
         self.step_id = 0
+        self.timed: Timed | None = None
 
     def _forward(self, seqs: list[SeqStep], release: list[str] | None = None) -> dict[str, int]:
         self.step_id += 1
@@ -281,6 +315,8 @@ class Decoder:
         pos = len(self.prompts[0])
         elapsed = 0.0
         for step in range(self.steps + 1):
+            if step == 1 and self.timed is not None:
+                self.timed.reset()  # the timed steps only
             t0 = time.perf_counter()
             tokens = self._forward(
                 [SeqStep(r, [tokens[r]], pos, t) for r, t in zip(rids, self.tables, strict=True)]
@@ -308,20 +344,33 @@ def decode_table(
     free = SamplingParams(temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(temperature=0.0, json_schema=json.dumps(DECODE_SCHEMA))
     rows = []
+    timed = Timed(runner)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         decoder = Decoder(runner, b, args.context_len, args.decode_steps)
+        decoder.timed = timed
         for name, manager in managers.items():
+            timed.attach(manager)
             manager.compile("json_schema", constrained.json_schema or "").result()
             best = {"free": 0.0, "constrained": 0.0}
+            parts: dict[str, list[float]] = {
+                "free_sample": [],
+                "sample": [],
+                "fill": [],
+                "accept": [],
+            }
             for _ in range(args.repeats):
                 runner.grammars = manager
                 best["free"] = max(best["free"], decoder.run(free))
+                parts["free_sample"].append(timed.spent["sample"])
                 best["constrained"] = max(best["constrained"], decoder.run(constrained))
+                for key in ("sample", "fill", "accept"):
+                    parts[key].append(timed.spent[key])
             row = {
                 "batch": b,
                 "backend": name,
                 "free_tok_s": best["free"],
                 "constrained_tok_s": best["constrained"],
+                "ms_per_step": {k: 1e3 * min(v) / args.decode_steps for k, v in parts.items()},
             }
             rows.append(row)
             print(
@@ -392,13 +441,17 @@ def main() -> None:
     results["decode"] = decode_table(runner, managers, args)
 
     lines = [
-        "| decode | backend | free tok/s | JSON-schema tok/s | constrained / free |",
-        "| --- | --- | ---: | ---: | ---: |",
+        "| decode | backend | free tok/s | JSON-schema tok/s | constrained / free "
+        "| sampler ms/step, free → JSON | mask fill ms/step (beside the forward) | accept ms/step |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["decode"]:
         ratio = r["constrained_tok_s"] / r["free_tok_s"]
+        ms = r["ms_per_step"]
         lines.append(
-            f"| b={r['batch']} | {r['backend']} | {r['free_tok_s']:.1f} | {r['constrained_tok_s']:.1f} | {ratio:.3f} |"
+            f"| b={r['batch']} | {r['backend']} | {r['free_tok_s']:.1f} | {r['constrained_tok_s']:.1f} "
+            f"| {ratio:.3f} | {ms['free_sample']:.2f} → {ms['sample']:.2f} | {ms['fill']:.2f} "
+            f"| {ms['accept']:.2f} |"
         )
     names = list(managers)
     lines += ["", "| schema | " + " | ".join(f"{n} cold ms | {n} cached ms" for n in names) + " |"]

@@ -52,22 +52,8 @@ def _allowed(masks: Sequence[torch.Tensor], vocab_size: int, device: torch.devic
     """Masks → ``[M, V]`` bool. A bool mask is ``[V]`` (True: may sample); an int32 one is a
     packed ``[ceil(V/32)]`` bitmask (bit j of word w allows token 32*w + j, xgrammar's layout).
     Tokens past a short mask's end are disallowed (the model's vocab may be padded)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    if all(m.dtype == torch.int32 and m.shape == masks[0].shape for m in masks):
-        # Grammar bitmasks (one width for a batch) unpack in one go, not row by row; on
-        # the CPU numpy's unpackbits does it ~100x faster than shifts (little-endian
-        # words: byte 0 holds tokens 0-7, bit 0 first).
-        words = torch.stack(list(masks))
-        if device.type == "cpu" and sys.byteorder == "little":
-            flat = np.unpackbits(words.numpy().view(np.uint8), axis=-1, bitorder="little")
-            bits = torch.from_numpy(flat).view(torch.bool)
-        else:
-            words = words.to(device, non_blocking=True)
-            bits = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
-        if bits.shape[1] >= vocab_size:
-            return bits[:, :vocab_size]
-        return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
     out = torch.zeros(len(masks), vocab_size, dtype=torch.bool, device=device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
     for i, mask in enumerate(masks):
         mask = mask.to(device, non_blocking=True)
         if mask.dtype != torch.bool:
@@ -75,6 +61,22 @@ def _allowed(masks: Sequence[torch.Tensor], vocab_size: int, device: torch.devic
         n = min(vocab_size, mask.numel())
         out[i, :n] = mask[:n]
     return out
+
+
+def _banned(masks: Sequence[torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The complement of ``_allowed``: ``[M, V]`` bool, True where a token may not be
+    sampled. Grammar bitmasks of one width on the CPU unpack in one numpy call (one
+    thread, ~0.2 ms for 32 rows of a 49k vocabulary); the words are inverted before
+    unpacking, so nothing of the size of the logits is computed twice."""
+    packed = all(m.dtype == torch.int32 and m.shape == masks[0].shape for m in masks)
+    if not (packed and device.type == "cpu" and sys.byteorder == "little"):
+        return ~_allowed(masks, vocab_size, device)
+    words = ~torch.stack(list(masks)).numpy()
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    banned = torch.from_numpy(bits).view(torch.bool)
+    if banned.shape[1] >= vocab_size:
+        return banned[:, :vocab_size]
+    return torch.nn.functional.pad(banned, (0, vocab_size - banned.shape[1]), value=True)
 
 
 def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -343,12 +345,12 @@ class Sampler:
         """``x`` with the disallowed tokens of the masked rows at -inf: a new tensor,
         ``x`` untouched."""
         mask_idx = sorted(masks)
-        allowed = _allowed([masks[i] for i in mask_idx], x.shape[-1], x.device)
+        banned = _banned([masks[i] for i in mask_idx], x.shape[-1], x.device)
         if mask_idx == list(range(x.shape[0])):  # every row constrained: no gather
-            return torch.where(allowed, x, _NEG_INF)
+            return x.masked_fill(banned, _NEG_INF)
         out = x.clone()
         mask_rows = self._rows(mask_idx)
-        out[mask_rows] = torch.where(allowed, x[mask_rows], _NEG_INF)
+        out[mask_rows] = x[mask_rows].masked_fill(banned, _NEG_INF)
         return out
 
     def _draw(self, z: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
