@@ -43,6 +43,7 @@ _ALIASES = {
     "policy": ["--schedule-policy"],
     "max_running_requests": ["--max-num-seqs"],
     "enable_prefix_cache": [],
+    "grammar_compile_timeout_s": ["--grammar-compile-timeout", "--grammar-compile-timeout-s"],
 }
 
 

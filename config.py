@@ -13,6 +13,7 @@ __all__ = [
     "CacheConfig",
     "DeployConfig",
     "EngineConfig",
+    "GrammarConfig",
     "ModelConfig",
     "SchedulerConfig",
     "ServerConfig",
@@ -88,6 +89,22 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 5.0
 
 
+class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Structured output (``actorlm.gpu.grammar``) and reasoning output."""
+
+    grammar_backend: str = "xgrammar"  # xgrammar | llguidance | none | a plugin's
+    # Where a constraint the backend cannot compile goes next: "auto" = the other
+    # built-in (xgrammar <-> llguidance), "none" = nowhere (400), or a backend's name.
+    grammar_fallback: str = "auto"
+    grammar_compile_timeout_s: float = 5.0  # a compile taking longer fails its request (400)
+    grammar_compile_threads: int = 2  # compiles at once, in the worker, off its event loop
+    grammar_cache_entries: int = 512  # compiled constraints kept (LRU), keyed by constraint
+    # JSON: any whitespace between tokens (xgrammar's any_whitespace, llguidance's
+    # whitespace_flexible). Off: compact JSON, which small models cannot pad forever.
+    grammar_any_whitespace: bool = False
+    reasoning_parser: str = ""  # "" = off | deepseek-r1 | qwen3 | qwen3-thinking | a plugin's
+
+
 class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where actors live. ``addresses`` maps role → address (inproc://, ipc://, tcp://)."""
 
@@ -112,6 +129,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     server: ServerConfig = ServerConfig()
+    grammar: GrammarConfig = GrammarConfig()
     deploy: DeployConfig = DeployConfig()
     plugins: dict[str, dict[str, Any]] = {}  # plugin name → its settings (register(settings))
     log_level: str = "info"

@@ -43,6 +43,8 @@ class GenerateOutput:
     usage: Usage
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning_text: str = ""  # with --reasoning-parser and separate_reasoning=True
+    grammar_backend: str | None = None  # the grammar backend of a constrained request
 
 
 def _sampling(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -190,6 +192,7 @@ class Engine:
 
     async def _collect(self, req: GenerateRequest) -> GenerateOutput:
         text: list[str] = []
+        thought: list[str] = []
         ids: list[int] = []
         lps: list[TokenLogprob] = []
         async for d in self.client.generate(req):
@@ -198,12 +201,20 @@ class Engine:
                     d.error or "the request failed", d.error_code or ErrorCode.INTERNAL
                 )
             text.append(d.text)
+            thought.append(d.reasoning_text)
             ids.extend(d.token_ids)
             lps.extend(d.logprobs or [])
             if d.finish_reason is not None:
                 usage = d.usage or Usage(0, len(ids), 0)
                 return GenerateOutput(
-                    "".join(text), ids, d.finish_reason, usage, d.matched_stop, lps
+                    "".join(text),
+                    ids,
+                    d.finish_reason,
+                    usage,
+                    d.matched_stop,
+                    lps,
+                    reasoning_text="".join(thought),
+                    grammar_backend=d.grammar_backend,
                 )
         raise RequestFailed("the stream ended without a finish")
 

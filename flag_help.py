@@ -11,6 +11,7 @@ GROUP_TITLES = {
     "scheduler": "scheduling",
     "cache": "cache",
     "server": "HTTP and request limits",
+    "grammar": "structured output and reasoning",
     "deploy": "deployment and liveness",
 }
 
@@ -74,4 +75,12 @@ FLAG_HELP: dict[str, str] = {
     "restart_backoff_s": "wait before the first restart, doubling each time up to 10 s",
     "keys_dir": "CurveZMQ keys (actorlm keys DIR) for every tcp socket",
     "insecure": "allow tcp beyond loopback without keys: anyone reaching a port commands",
+    # structured output and reasoning
+    "grammar_backend": "grammar backend: xgrammar, llguidance, none, or a plugin's",
+    "grammar_fallback": "where a constraint the backend cannot compile goes: auto, none, a name",
+    "grammar_compile_timeout_s": "a constraint compiling longer fails its request (400)",
+    "grammar_compile_threads": "constraints compiled at once in the worker",
+    "grammar_cache_entries": "compiled constraints kept (LRU), keyed by constraint",
+    "grammar_any_whitespace": "JSON constraints allow any whitespace (off: compact JSON)",
+    "reasoning_parser": "split thinking into reasoning_content: deepseek-r1, qwen3, ... (empty: off)",
 }

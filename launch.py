@@ -32,6 +32,7 @@ from .config import (
     CacheConfig,
     DeployConfig,
     EngineConfig,
+    GrammarConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -64,6 +65,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "scheduler": SchedulerConfig,
     "cache": CacheConfig,
     "server": ServerConfig,
+    "grammar": GrammarConfig,
     "deploy": DeployConfig,
 }
 
@@ -140,6 +142,32 @@ def validate_config(config: EngineConfig) -> None:
             )
     if c.hicache_storage_backend and not c.hicache_storage_dir:
         raise ConfigError("--hicache-storage-backend needs --hicache-storage-dir")
+    _validate_grammar(config)
+
+
+def _validate_grammar(config: EngineConfig) -> None:
+    import actorlm.actors.tokenizer.reasoning  # noqa: F401  (register the built-ins)
+    import actorlm.gpu.grammar  # noqa: F401  (lazily: no grammar library is imported)
+
+    from .extensions.points import GRAMMAR_BACKENDS, REASONING_PARSERS
+
+    g = config.grammar
+    for flag, value, extra in (
+        ("--grammar-backend", g.grammar_backend, ("none",)),
+        ("--grammar-fallback", g.grammar_fallback, ("auto", "none")),
+    ):
+        if value not in extra and value not in GRAMMAR_BACKENDS:
+            known = ", ".join([*extra, *GRAMMAR_BACKENDS.names()])
+            raise ConfigError(f"unknown grammar backend {value!r} ({flag}); known: {known}")
+    if g.reasoning_parser and g.reasoning_parser not in REASONING_PARSERS:
+        known = ", ".join(REASONING_PARSERS.names()) or "none"
+        raise ConfigError(
+            f"unknown reasoning parser {g.reasoning_parser!r} (--reasoning-parser); known: {known}"
+        )
+    if not g.grammar_compile_timeout_s > 0 or g.grammar_compile_threads < 1:
+        raise ConfigError(
+            "--grammar-compile-timeout must be > 0 and --grammar-compile-threads >= 1"
+        )
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:

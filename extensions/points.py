@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # the interfaces, for type checkers; at run time they load by
 
     from ..actors.cache.eviction import EvictionStrategy
     from ..actors.cache.hicache import HiCacheStorage
+    from ..actors.tokenizer.reasoning import ReasoningFormat
     from ..gpu.attention.base import AttentionBackend
+    from ..gpu.grammar.base import BaseGrammarBackend
     from ..gpu.loaders.base import WeightLoader
     from ..gpu.logit_processors import LogitProcessor
     from ..gpu.platforms import Platform
@@ -37,6 +39,7 @@ __all__ = [
     "MODELS",
     "PLATFORMS",
     "QUANTIZATION_METHODS",
+    "REASONING_PARSERS",
     "WEIGHT_LOADERS",
     "load_builtins",
 ]
@@ -52,10 +55,16 @@ ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = get_registry(
 WEIGHT_LOADERS: Registry[type[WeightLoader]] = get_registry(
     "weight loader", "--load-format", interface="actorlm.gpu.loaders.base:WeightLoader"
 )
-# Declared for plugins to fill, but no part of the engine reads them yet: no flag selects
-# from them until structured output and the LoRA loader land.
-GRAMMAR_BACKENDS: Registry[Any] = get_registry(
-    "grammar backend", unused="structured output is not built yet"
+# One compiles every constrained request in the worker (--grammar-fallback names the
+# next one to try).
+GRAMMAR_BACKENDS: Registry[type[BaseGrammarBackend]] = get_registry(
+    "grammar backend",
+    "--grammar-backend",
+    interface="actorlm.gpu.grammar.base:BaseGrammarBackend",
+)
+# ReasoningFormat values (not classes): where a model's thinking starts and ends.
+REASONING_PARSERS: Registry[ReasoningFormat] = get_registry(
+    "reasoning parser", "--reasoning-parser"
 )
 EVICTION_POLICIES: Registry[type[EvictionStrategy]] = get_registry(
     "KV eviction policy",
@@ -67,6 +76,8 @@ HICACHE_STORAGE: Registry[type[HiCacheStorage]] = get_registry(
     "--hicache-storage-backend",
     interface="actorlm.actors.cache.hicache:HiCacheStorage",
 )
+# Declared for plugins to fill, but no part of the engine reads it yet: no flag selects
+# from it until the LoRA loader lands.
 LORA_EVICTION_POLICIES: Registry[Any] = get_registry(
     "LoRA eviction policy", unused="the LoRA loader is not built yet"
 )
@@ -90,8 +101,10 @@ BUILTIN_MODULES = (
     "actorlm.gpu.logit_processors",
     "actorlm.gpu.platforms",
     "actorlm.gpu.quantization",
+    "actorlm.gpu.grammar",
     "actorlm.actors.cache.eviction",
     "actorlm.actors.cache.hicache",
+    "actorlm.actors.tokenizer.reasoning",
     "actorlm.actors.roles",
 )
 

@@ -94,6 +94,10 @@ class GatewayActor(ClientActor):
         except ActorError as exc:
             log.warning("could not read the worker's model facts: %s", exc)
             return
+        try:
+            self.state.tokenizer_facts = await client.info("tokenizer")
+        except ActorError as exc:
+            log.warning("could not read the tokenizer's facts: %s", exc)
         vocab = self.state.model_facts.get("vocab_size")
         if isinstance(vocab, int) and vocab > 0:  # the worker knows the padded vocabulary
             self.state.limits = ModelLimits(vocab, self.state.limits.max_model_len)

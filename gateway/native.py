@@ -19,6 +19,7 @@ from .errors import ApiError
 from .params import Fields, checked_sampling, fan_out, native_sampling
 from .state import STATE, GatewayState
 from .streams import Fanout, SseWriter, delta_error
+from .structured import native_constraint
 
 __all__ = ["parse_generate", "routes"]
 
@@ -53,9 +54,13 @@ def parse_generate(body: Any, state: GatewayState) -> NativeJob:
     rid = f.str("rid") or uuid.uuid4().hex
     return_logprob = bool(f.bool("return_logprob", False))
     top = f.int("top_logprobs_num", 0) or 0
-    sampling = native_sampling(f.object("sampling_params"))
+    sp = f.object("sampling_params")
+    sampling = native_sampling(sp)
     sampling = msgspec.structs.replace(
-        sampling, logprobs=return_logprob, top_logprobs=top if return_logprob else 0
+        sampling,
+        logprobs=return_logprob,
+        top_logprobs=top if return_logprob else 0,
+        **(native_constraint(sp) if sp is not None else {}),
     )
     sampling = checked_sampling(sampling, state.limits)
     limit = state.config.server.max_n
@@ -97,6 +102,8 @@ class NativeOutput:
             "cached_tokens": usage.cached_tokens if usage else 0,
             "e2e_latency": time.monotonic() - job.start,
         }
+        if last is not None and last.grammar_backend:
+            meta["grammar_backend"] = last.grammar_backend
         if job.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp.logprob, lp.token_id, lp.token] for lp in self.logprobs

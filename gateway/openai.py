@@ -19,6 +19,7 @@ from .body import read_json
 from .openai_parse import Job, parse_chat, parse_completion
 from .state import STATE, GatewayState
 from .streams import SseWriter, delta_error
+from .tools import ToolCallStream, parse_tool_calls
 
 __all__ = ["chat_completions", "completions", "list_models", "routes"]
 
@@ -75,14 +76,20 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage | None = None
     started: bool = False  # chat streams: the role chunk was sent
+    reasoning: list[str] = field(default_factory=list)
+    grammar_backend: str | None = None  # which grammar backend constrained it
+    tool_stream: ToolCallStream | None = None  # chat streams with tool calls
+    called: bool = False  # tool calls were sent
 
     def add(self, delta: TextDelta) -> None:
         self.text.append(delta.text)
         self.chars += len(delta.text)
         self.logprobs.extend(delta.logprobs or [])
+        self.reasoning.append(delta.reasoning_text)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.usage = delta.usage
+            self.grammar_backend = delta.grammar_backend
 
 
 def total_usage(job: Job, choices: list[Choice]) -> dict[str, Any]:
@@ -124,17 +131,24 @@ def full_response(job: Job, choices: list[Choice]) -> dict[str, Any]:
                 if job.logprobs
                 else None
             )
-            message = {"role": "assistant", "content": text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            finish = c.finish_reason
+            if job.reasoning:
+                message["reasoning_content"] = "".join(c.reasoning) or None
+            if job.tools is not None:
+                content, calls = parse_tool_calls(job.tools, text)
+                if calls:
+                    message["content"], message["tool_calls"] = content, calls
+                    finish = "tool_calls" if finish == "stop" else finish
             rendered.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": lps,
-                    "finish_reason": c.finish_reason,
-                }
+                {"index": c.index, "message": message, "logprobs": lps, "finish_reason": finish}
             )
+        if c.grammar_backend:
+            rendered[-1]["meta_info"] = {"grammar_backend": c.grammar_backend}
     out["choices"] = rendered
     out["usage"] = total_usage(job, choices)
+    if job.warnings:
+        out["warnings"] = job.warnings
     return out
 
 
@@ -151,14 +165,28 @@ def chunk(job: Job, choice: Choice, delta: TextDelta, *, role: bool = False) -> 
     else:
         obj = _envelope(job, "chat.completion.chunk")
         content: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if delta.text:
-            content["content"] = delta.text
+        if role and job.warnings:
+            obj["warnings"] = job.warnings
+        if job.reasoning and delta.reasoning_text:
+            content["reasoning_content"] = delta.reasoning_text
+        text = delta.text
+        if choice.tool_stream is not None:
+            text, calls = choice.tool_stream.push(text, final=finish is not None)
+            if calls:
+                content["tool_calls"] = calls
+                choice.called = True
+            if finish == "stop" and choice.called:
+                finish = "tool_calls"
+        if text:
+            content["content"] = text
         lps = (
             {"content": chat_logprob_entries(lp_items), "refusal": None}
             if job.logprobs and lp_items
             else None
         )
         body = {"index": choice.index, "delta": content, "logprobs": lps, "finish_reason": finish}
+        if finish is not None and delta.grammar_backend:
+            body["meta_info"] = {"grammar_backend": delta.grammar_backend}
     obj["choices"] = [body]
     if job.include_usage:
         obj["usage"] = None
@@ -167,6 +195,9 @@ def chunk(job: Job, choice: Choice, delta: TextDelta, *, role: bool = False) -> 
 
 async def run_job(request: web.Request, state: GatewayState, job: Job) -> web.StreamResponse:
     choices = [Choice(i) for i in range(len(job.reqs))]
+    if job.stream and job.tools is not None:
+        for c in choices:
+            c.tool_stream = ToolCallStream(job.tools)
     async with state.fanout(job.reqs) as fan:
         if not job.stream:
             async for index, delta in fan:
@@ -187,7 +218,7 @@ async def run_job(request: web.Request, state: GatewayState, job: Job) -> web.St
             choice.add(delta)
             role = job.kind == "chat" and not choice.started
             choice.started = True
-            if role or delta.text or delta.logprobs or delta.finish_reason:
+            if role or delta.text or delta.reasoning_text or delta.logprobs or delta.finish_reason:
                 await sse.send(chunk(job, choice, delta, role=role))
         assert sse is not None
         if job.include_usage:

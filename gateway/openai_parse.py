@@ -8,16 +8,21 @@ reproducible on its own).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from ..messages.generate import ChatMessage, GenerateRequest
 from ..messages.sampling import SamplingParams
 from .errors import ApiError
 from .params import Fields, ModelLimits, checked_sampling, fan_out, openai_sampling
 from .state import GatewayState
+from .structured import response_format
+from .tools import ToolPlan, plan_tools
 
 __all__ = ["Job", "parse_chat", "parse_completion"]
 
@@ -39,6 +44,9 @@ class Job:
     logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
     reqs: list[GenerateRequest] = field(default_factory=list)
+    tools: ToolPlan | None = None  # outputs become tool calls (required, named, auto)
+    reasoning: bool = False  # outputs carry reasoning_content (--reasoning-parser)
+    warnings: list[str] = field(default_factory=list)  # told to the client in the response
 
 
 def _common(f: Fields, state: GatewayState, kind: str, prefix: str) -> Job:
@@ -119,6 +127,7 @@ def parse_completion(body: Any, state: GatewayState) -> Job:
     sampling = openai_sampling(
         f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
     )
+    sampling = msgspec.structs.replace(sampling, **response_format(f))
     sampling = checked_sampling(sampling, state.limits)
     job.reqs = fan_out(job.id, sampling, prompts, job.n, limit=state.config.server.max_n)
     return job
@@ -151,7 +160,42 @@ def _chat_message(item: Any, index: int) -> ChatMessage:
         raise ApiError(
             400, f"messages[{index}].content is required for role {role!r}", param="messages"
         )
-    return ChatMessage(role=role, content=content, name=f.str("name"))
+    return ChatMessage(
+        role=role,
+        content=content,
+        name=f.str("name"),
+        tool_calls=_earlier_calls(f, index),
+        tool_call_id=f.str("tool_call_id"),
+    )
+
+
+def _earlier_calls(f: Fields, index: int) -> list[dict[str, Any]] | None:
+    """An assistant message's ``tool_calls``, for the template: chat templates read
+    ``function.arguments`` as an object, OpenAI sends it as JSON text."""
+    raw = f.raw("tool_calls")
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise f.bad("tool_calls", "a list of tool calls", raw)
+    calls = []
+    for j, item in enumerate(raw):
+        fn = Fields(item, f"messages[{index}].tool_calls[{j}]").object("function")
+        if fn is None or not isinstance(fn.raw("name"), str):
+            raise ApiError(
+                400, f"messages[{index}].tool_calls[{j}] needs a function name", param="messages"
+            )
+        args = fn.raw("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise ApiError(
+                    400,
+                    f"messages[{index}].tool_calls[{j}].function.arguments is not JSON",
+                    param="messages",
+                ) from None
+        calls.append({**item, "function": {**fn.body, "arguments": args}})
+    return calls
 
 
 def _template_kwargs(f: Fields, state: GatewayState) -> dict[str, Any]:
@@ -180,21 +224,20 @@ def parse_chat(body: Any, state: GatewayState) -> Job:
     if not isinstance(raw_messages, list) or not raw_messages:
         raise f.bad("messages", "a non-empty list of messages", raw_messages)
     messages = [_chat_message(m, i) for i, m in enumerate(raw_messages)]
-    if f.raw("tools") and f.raw("tool_choice") != "none":
-        raise ApiError(
-            400,
-            "tool calling is not supported by this server",
-            code="unsupported_parameter",
-            param="tools",
-        )
-    fmt = f.object("response_format")
-    if fmt is not None and fmt.str("type") not in (None, "text"):
-        raise ApiError(
-            400,
-            "response_format other than 'text' is not supported yet",
-            code="unsupported_parameter",
-            param="response_format",
-        )
+    plan, job.warnings = plan_tools(f, bool(state.tokenizer_facts.get("chat_template_tools")))
+    constraint = response_format(f)
+    if plan is not None and plan.constraint:
+        if constraint:
+            raise ApiError(
+                400,
+                "response_format cannot constrain a request whose tool_choice already does",
+                param="response_format",
+            )
+        constraint = plan.constraint
+        job.tools = plan
+    job.reasoning = bool(state.config.grammar.reasoning_parser) and bool(
+        f.bool("separate_reasoning", True)
+    )
     job.logprobs = bool(f.bool("logprobs", False))
     top = f.int("top_logprobs")
     if top is not None and not job.logprobs:
@@ -205,11 +248,16 @@ def parse_chat(body: Any, state: GatewayState) -> Job:
     sampling = openai_sampling(
         f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
     )
+    template_kwargs = _template_kwargs(f, state)
+    if plan is not None:
+        template_kwargs["tools"] = plan.template_tools
     prompt: dict[str, Any] = {
         "messages": messages,
         "add_generation_prompt": bool(f.bool("add_generation_prompt", True)),
-        "chat_template_kwargs": _template_kwargs(f, state),
+        "chat_template_kwargs": template_kwargs,
+        "separate_reasoning": job.reasoning,
     }
+    sampling = msgspec.structs.replace(sampling, **constraint)
     sampling = checked_sampling(sampling, state.limits)
     job.reqs = fan_out(job.id, sampling, [prompt], job.n, limit=state.config.server.max_n)
     return job

@@ -46,6 +46,60 @@ def _sampling(max_tokens: int) -> dict[str, Any]:
     }
 
 
+# Structured output (docs/api.md): what the parsers in gateway/structured.py and
+# gateway/tools.py read; whether a schema, regex or grammar compiles is the worker's 400.
+_RESPONSE_FORMAT = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema", "structural_tag"]},
+        "json_schema": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "schema": {"type": "object"},
+                "strict": {"type": "boolean"},
+            },
+        },
+    },
+}
+_TOOLS = {
+    "tools": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                        "description": {"type": "string"},
+                        "parameters": {"type": "object"},
+                    },
+                },
+            },
+        },
+    },
+    "tool_choice": {
+        "oneOf": [
+            {"enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"enum": ["function"]},
+                    "function": {"type": "object", "properties": {"name": {"type": "string"}}},
+                },
+            },
+        ]
+    },
+    "parallel_tool_calls": {"type": "boolean"},
+}
+_CONSTRAINTS = {k: {"type": "string"} for k in ("json_schema", "regex", "ebnf", "structural_tag")}
+
+
 def _body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {_JSON: {"schema": schema}}}
 
@@ -78,9 +132,10 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
         "type": "object",
         "required": ["role", "content"],
         "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant"]},
+            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
             "content": {"type": "string"},
             "name": {"type": "string"},
+            "tool_call_id": {"type": "string"},
         },
     }
     completion = {
@@ -96,6 +151,7 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
                 ]
             },
             "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+            "response_format": _RESPONSE_FORMAT,
         },
     }
     chat = {
@@ -109,6 +165,9 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
             "chat_template_kwargs": {"type": "object"},
             "add_generation_prompt": {"type": "boolean"},
+            "response_format": _RESPONSE_FORMAT,
+            **_TOOLS,
+            "separate_reasoning": {"type": "boolean"},
         },
     }
     native_sampling = {
@@ -116,6 +175,7 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
         "properties": {
             "max_new_tokens": {"type": "integer", "minimum": 0, "maximum": max_tokens},
             **{k: v for k, v in sampling.items() if k in _NATIVE_SHARED},
+            **_CONSTRAINTS,
         },
     }
     generate = {

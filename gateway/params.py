@@ -50,6 +50,11 @@ NATIVE_SAMPLING_NAMES = (
     "spaces_between_special_tokens",
     "n",
     "logit_processors",
+    # Structured output, read by gateway.structured.native_constraint.
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
 )
 
 

@@ -42,6 +42,7 @@ class GatewayState:
     draining: bool = False
     startup_error: str = ""
     model_facts: dict[str, Any] = field(default_factory=dict)  # the worker's READY info
+    tokenizer_facts: dict[str, Any] = field(default_factory=dict)  # the tokenizer's (templates)
     reserved: int = 0  # engine requests admitted and not finished
     metrics: GatewayMetrics = field(init=False)
 

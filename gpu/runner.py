@@ -14,13 +14,22 @@ from actorlm.config import ModelConfig
 from actorlm.extensions.plugins import current_platform
 from actorlm.extensions.points import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from actorlm.extensions.registry import import_object
-from actorlm.messages.step import PENDING_TOKEN, ForwardBatch, SeqError, SeqStep, StepResult
+from actorlm.messages.step import (
+    PENDING_TOKEN,
+    ForwardBatch,
+    SeqError,
+    SeqInit,
+    SeqResult,
+    SeqStep,
+    StepResult,
+)
 
 from . import attention  # noqa: F401  (registers the built-in backends)
 from .cuda_graphs import capture_decode_graphs, use_cuda_graphs
 from .cuda_step import check_pool_fits, upload_meta
 from .forward_meta import ForwardMeta, SeqSpec
 from .fused_decode import FusedDecoder
+from .grammar.manager import GrammarManager
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .platforms import resolve_dtype
@@ -110,6 +119,8 @@ class ModelRunner:
         self.sampler = Sampler(info.vocab_size, self.device)
         self._last: dict[str, int] = {}  # each sequence's last sampled token (PENDING_TOKEN)
         self._prompt_lens: dict[str, int] = {}  # rid → prompt length, while it runs
+        # Structured output: the worker sets this (it knows the tokenizer); None serves none.
+        self.grammars: GrammarManager | None = None
         self.graphs = capture_decode_graphs(self, max_len, pad_page=num_pages) if graphs else None
         self.fused, why = (
             (None, "CUDA graphs")
@@ -128,10 +139,13 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
         t0 = time.perf_counter()
+        grammars = self.grammars
         for rid in batch.release:
             self.sampler.release(rid)
             self._last.pop(rid, None)
             self._prompt_lens.pop(rid, None)
+            if grammars is not None:
+                grammars.release(rid)
         errors: list[SeqError] = []
         for s in batch.seqs:  # a step sent while the one before failed this sequence
             if PENDING_TOKEN in s.input_ids and s.rid not in self._last:
@@ -146,6 +160,7 @@ class ModelRunner:
                 self._prompt_lens[s.rid] = s.init.prompt_len
                 try:
                     self.sampler.add(s.rid, s.init)  # builds its logit processors
+                    self._start_grammar(s.rid, s.init)
                 except ValueError as exc:
                     errors.append(SeqError(s.rid, str(exc)))
         if errors:
@@ -154,10 +169,22 @@ class ModelRunner:
         results = []
         rids = [s.rid for s in seqs if s.sample]
         if seqs:
+            # The constrained rows' masks fill on the grammar thread while the model runs;
+            # a batch without constrained rows pays nothing.
+            fill, constrained = None, []
+            if grammars is not None and len(grammars):
+                constrained = [i for i, rid in enumerate(rids) if rid in grammars]
+                if constrained:
+                    fill = grammars.fill_async([rids[i] for i in constrained])
             logits = self.forward_logits(seqs)
             if rids:
-                results = self.sampler.sample(rids, logits)
+                masks = None
+                if fill is not None:
+                    masks = {constrained[j]: row for j, row in fill.result().items()}
+                results = self.sampler.sample(rids, logits, masks)
                 self._last.update((r.rid, r.token_id) for r in results)
+            if fill is not None:
+                errors += self._advance_grammars(results)
         return StepResult(
             step_id=batch.step_id,
             results=results,
@@ -177,6 +204,24 @@ class ModelRunner:
             return seq
         ids = [self._last[seq.rid] if t == PENDING_TOKEN else t for t in seq.input_ids]
         return msgspec.structs.replace(seq, input_ids=ids)
+
+    def _start_grammar(self, rid: str, init: SeqInit) -> None:
+        if init.sampling.constraint is None:
+            return
+        if self.grammars is None:
+            raise ValueError("this worker serves no structured output")
+        self.grammars.start(rid, init.sampling, init.token_ids, init.prompt_len)
+
+    def _advance_grammars(self, results: list[SeqResult]) -> list[SeqError]:
+        """Each constrained row's matcher takes its sampled token. One that refuses it (a
+        mask left nothing but a banned token, min_new_tokens say) ends that request."""
+        assert self.grammars is not None
+        failed = []
+        for r in results:
+            if not self.grammars.accept(r.rid, r.token_id):
+                message = "the output can no longer match its constraint"
+                failed.append(SeqError(r.rid, message))
+        return failed
 
     def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""

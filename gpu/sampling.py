@@ -23,9 +23,11 @@ equal outputs unless the scheduler gives each its own seed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..messages.sampling import SamplingParams
@@ -59,6 +61,22 @@ def _allowed(masks: Sequence[torch.Tensor], vocab_size: int, device: torch.devic
         n = min(vocab_size, mask.numel())
         out[i, :n] = mask[:n]
     return out
+
+
+def _banned(masks: Sequence[torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The complement of ``_allowed``: ``[M, V]`` bool, True where a token may not be
+    sampled. Grammar bitmasks of one width on the CPU unpack in one numpy call (one
+    thread, ~0.2 ms for 32 rows of a 49k vocabulary); the words are inverted before
+    unpacking, so nothing of the size of the logits is computed twice."""
+    packed = all(m.dtype == torch.int32 and m.shape == masks[0].shape for m in masks)
+    if not (packed and device.type == "cpu" and sys.byteorder == "little"):
+        return ~_allowed(masks, vocab_size, device)
+    words = ~torch.stack(list(masks)).numpy()
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    banned = torch.from_numpy(bits).view(torch.bool)
+    if banned.shape[1] >= vocab_size:
+        return banned[:, :vocab_size]
+    return torch.nn.functional.pad(banned, (0, vocab_size - banned.shape[1]), value=True)
 
 
 def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -228,8 +246,10 @@ class Sampler:
         seqs = self._lookup(rids, logits)
         if not rids:
             return []
-        if not masks and all(s.plain and not s.banning for s in seqs):
-            argmax: list[int] = logits.argmax(dim=-1).tolist()  # the common case: 1 kernel, 1 sync
+        if all(s.plain and not s.banning for s in seqs):
+            # The common case: 1 kernel, 1 sync (grammar masks, if any, first).
+            picked = self._masked(logits, masks) if masks else logits
+            argmax: list[int] = picked.argmax(dim=-1).tolist()
             for s in seqs:
                 s.generated += 1
             return [SeqResult(rid, tok) for rid, tok in zip(rids, argmax, strict=True)]
@@ -319,12 +339,19 @@ class Sampler:
                 if row.data_ptr() != x[i].data_ptr():  # the processor returned a new tensor
                     x[i] = row
 
-        if masks:
-            mask_idx = sorted(masks)
-            allowed = _allowed([masks[i] for i in mask_idx], x.shape[-1], x.device)
-            mask_rows = self._rows(mask_idx)
-            x[mask_rows] = x[mask_rows].masked_fill(~allowed, _NEG_INF)
-        return x
+        return self._masked(x, masks) if masks else x
+
+    def _masked(self, x: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``x`` with the disallowed tokens of the masked rows at -inf: a new tensor,
+        ``x`` untouched."""
+        mask_idx = sorted(masks)
+        banned = _banned([masks[i] for i in mask_idx], x.shape[-1], x.device)
+        if mask_idx == list(range(x.shape[0])):  # every row constrained: no gather
+            return x.masked_fill(banned, _NEG_INF)
+        out = x.clone()
+        mask_rows = self._rows(mask_idx)
+        out[mask_rows] = x[mask_rows].masked_fill(banned, _NEG_INF)
+        return out
 
     def _draw(self, z: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """Sample each row of ``z`` ``[R, V]`` (processed logits) per its params."""

@@ -34,6 +34,8 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class GenerateRequest(Message, frozen=True, kw_only=True):
@@ -50,6 +52,8 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = {}
     reply_to: str = ""  # role that receives TextBatch items; "" = the sender
+    # With --reasoning-parser: the thinking comes back apart (TextDelta.reasoning_text).
+    separate_reasoning: bool = False
 
 
 class TokenizedRequest(Message, frozen=True, kw_only=True):
@@ -74,6 +78,7 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     cached_tokens: int = 0
     error: str | None = None
     error_code: ErrorCode | None = None  # set with ``error``
+    grammar_backend: str | None = None  # on a constrained request's last delta: who served it
 
 
 class TokenBatch(Message, frozen=True, kw_only=True):
@@ -108,6 +113,8 @@ class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
     error: str | None = None
     error_code: ErrorCode | None = None  # set with ``error``
+    reasoning_text: str = ""  # thinking, when the request asked for it apart (separate_reasoning)
+    grammar_backend: str | None = None  # on a constrained request's last delta: who served it
 
 
 class TextBatch(Message, frozen=True, kw_only=True):

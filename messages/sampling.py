@@ -8,9 +8,17 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["MAX_TOP_LOGPROBS", "LogitProcessorSpec", "SamplingParams", "check_sampling"]
+__all__ = [
+    "CONSTRAINT_KINDS",
+    "MAX_TOP_LOGPROBS",
+    "LogitProcessorSpec",
+    "SamplingParams",
+    "check_sampling",
+]
 
 MAX_TOP_LOGPROBS = 20
+# Structured output: the SamplingParams fields that constrain it, one at a time.
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class LogitProcessorSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,10 +54,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int = 0  # how many alternatives per position, when logprobs
     logit_processors: list[LogitProcessorSpec] = []
+    # Structured output (SGLang's names): at most one; the JSON ones as JSON text.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the output constraint (kind in CONSTRAINT_KINDS), or None."""
+        for kind in CONSTRAINT_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
 
 
 def check_sampling(p: SamplingParams, vocab_size: int) -> None:
@@ -99,3 +121,10 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
         f"min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {p.min_new_tokens}",
     )
     require(p.n >= 1, f"n must be >= 1, got {p.n}")
+    given = [kind for kind in CONSTRAINT_KINDS if getattr(p, kind) is not None]
+    require(
+        len(given) <= 1,
+        f"give at most one of {', '.join(CONSTRAINT_KINDS)} (got {', '.join(given)})",
+    )
+    for kind in given:
+        require(bool(getattr(p, kind)), f"{kind} must not be empty")

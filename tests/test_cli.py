@@ -38,6 +38,8 @@ def one_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["serve", "--restart-policy", "sometimes"], "choose one of on-failure, never"),
         (["serve", "--model", "/no/such/model"], "model not found: /no/such/model"),
         (["serve", "--hicache-storage-backend", "file"], "needs --hicache-storage-dir"),
+        (["serve", "--grammar-backend", "nope"], "unknown grammar backend 'nope'"),
+        (["serve", "--reasoning-parser", "nope"], "unknown reasoning parser 'nope'"),
         (["actor", "worker"], "give --deploy FILE"),
         (["actor", "worker", "--bind", "tcp://0.0.0.0:1"], "refusing to bind tcp://0.0.0.0:1"),
     ],
@@ -94,3 +96,18 @@ def test_a_cuda_backend_on_a_cpu_machine_is_one_line(backend: str) -> None:
         pytest.skip("checks a machine without CUDA")
     line = one_error(actorlm("serve", "--attention-backend", backend))
     assert f"attention backend '{backend}' runs on CUDA devices only" in line
+
+
+def test_structured_output_flags() -> None:
+    from actorlm.cli import _options, build_parser
+    from actorlm.launch import config_from_options, validate_config
+
+    args = build_parser().parse_args(
+        ["serve", "--grammar-backend", "llguidance", "--grammar-fallback", "none",
+         "--grammar-compile-timeout", "2.5", "--reasoning-parser", "qwen3"]
+    )  # fmt: skip
+    config = config_from_options(**_options(args))
+    validate_config(config)
+    g = config.grammar
+    assert (g.grammar_backend, g.grammar_fallback) == ("llguidance", "none")
+    assert (g.grammar_compile_timeout_s, g.reasoning_parser) == (2.5, "qwen3")

@@ -33,6 +33,7 @@ from ...messages.generate import (
     TokenDelta,
     TokenizedRequest,
 )
+from ...messages.grammar import CompileGrammar, GrammarCompiled
 from ...messages.step import ForwardBatch, StepResult
 from ..runtime import Actor, ActorError, handles
 from .policy import BatchPlanner, Refusal
@@ -74,6 +75,7 @@ class SchedulerActor(Actor):
         return {
             "running": len(self.planner.running),
             "queued": len(self.planner.waiting),
+            "compiling": len(self.planner.compiling),
             **self.planner.stats,
         }
 
@@ -98,6 +100,34 @@ class SchedulerActor(Actor):
             )
             await self._emit([delta])
             return
+        if msg.rid in self.planner.compiling:
+            constraint = msg.sampling.constraint
+            assert constraint is not None
+            self.spawn(self._compile(msg.rid, *constraint), name=f"compile-{msg.rid}")
+            return
+        self._wake.set()
+
+    async def _compile(self, rid: str, kind: str, value: str) -> None:
+        """Ask the worker to compile ``rid``'s constraint; the request joins the queue
+        when it is ready, or ends alone when it cannot be. Nothing else waits for it."""
+        # The worker answers by the compile timeout; this bound only covers a lost worker.
+        timeout = (
+            self.config.grammar.grammar_compile_timeout_s + self.config.deploy.request_timeout_s
+        )
+        try:
+            reply = await self.request(
+                "worker", CompileGrammar(rid=rid, kind=kind, value=value), timeout=timeout
+            )
+        except ActorError as exc:
+            self.planner.grammar_failed(
+                rid, f"the grammar could not be compiled: {exc}", code_for_status(exc.status)
+            )
+        else:
+            assert isinstance(reply, GrammarCompiled)
+            if reply.error:
+                self.planner.grammar_failed(rid, reply.error, reply.code)
+            else:
+                self.planner.grammar_ready(rid, reply.backend)
         self._wake.set()
 
     @handles(AbortRequest)

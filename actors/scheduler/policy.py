@@ -17,6 +17,10 @@ A request that finishes (or is aborted) with a step still in flight becomes a
 zombie: its pages are kept until that step is back, and its extra token is dropped,
 so the tokens delivered are the same with overlap on or off. Nothing is retracted
 while a step is in flight: a refused page waits for the next plain step.
+
+A constrained request (structured output) is *held* from arrival until its grammar
+is compiled (``grammar_ready``) or cannot be (``grammar_failed``): it takes no batch
+slot and no page, and no one waits behind it.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class Req:
     zombie: bool = False  # ended, but a step in flight still names it
     zombie_cache: bool = True  # when it is settled: cache its pages (else just free them)
     held: TokenDelta | None = None  # a finished zombie's last delta, sent once it is settled
+    grammar_backend: str | None = None  # the backend that compiled its constraint
 
     @property
     def num_output(self) -> int:
@@ -122,6 +127,7 @@ class BatchPlanner:
         self.prefix_cache = prefix_cache
         self.waiting: dict[str, Req] = {}
         self.running: dict[str, Req] = {}
+        self.compiling: dict[str, Req] = {}  # constrained, waiting for their grammar
         self._seq = itertools.count()
         self._finishes: list[FinishOp] = []
         self._releases: list[str] = []
@@ -154,10 +160,10 @@ class BatchPlanner:
 
     def add(self, msg: TokenizedRequest, reply_to: str) -> Refusal | None:
         """Queue a request; returns why not if it cannot be queued."""
-        if msg.rid in self.waiting or msg.rid in self.running:
+        if msg.rid in self.waiting or msg.rid in self.running or msg.rid in self.compiling:
             return Refusal(f"request id {msg.rid!r} is already in use", ErrorCode.INVALID_REQUEST)
         limit = self.cfg.max_queued_requests  # 0: no limit, as at the gateway
-        if limit and len(self.waiting) >= limit:
+        if limit and len(self.waiting) + len(self.compiling) >= limit:
             return Refusal(
                 "the server is overloaded: the waiting queue is full", ErrorCode.OVERLOADED
             )
@@ -169,7 +175,10 @@ class BatchPlanner:
                 ErrorCode.INVALID_REQUEST,
             )
         sp = msg.sampling
-        stops = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else msg.eos_token_ids)
+        # A constraint decides where the output ends (its grammar then allows only eos),
+        # so eos stops a constrained request even with ignore_eos.
+        keep_eos = not sp.ignore_eos or sp.constraint is not None
+        stops = frozenset(sp.stop_token_ids) | frozenset(msg.eos_token_ids if keep_eos else ())
         req = Req(
             msg.rid,
             list(msg.input_ids),
@@ -183,11 +192,29 @@ class BatchPlanner:
         if msg.sampling.max_new_tokens == 0:
             self._deltas.append(self._delta(req, [], "length"))
             return None
+        if sp.constraint is not None:
+            self.compiling[msg.rid] = req
+            return None
         self.waiting[msg.rid] = req
         return None
 
+    def grammar_ready(self, rid: str, backend: str) -> bool:
+        """``rid``'s grammar compiled: it joins the queue (False if it is gone)."""
+        req = self.compiling.pop(rid, None)
+        if req is None:
+            return False
+        req.grammar_backend = backend
+        self.waiting[rid] = req
+        return True
+
+    def grammar_failed(self, rid: str, message: str, code: ErrorCode) -> None:
+        """``rid``'s constraint cannot be served: it ends with that error, alone."""
+        req = self.compiling.pop(rid, None)
+        if req is not None:
+            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
+
     def abort(self, rid: str, reason: str = "abort", *, notify: bool = True) -> bool:
-        req = self.waiting.pop(rid, None)
+        req = self.waiting.pop(rid, None) or self.compiling.pop(rid, None)
         if req is None:
             req = self.running.pop(rid, None)
             if req is None:
@@ -201,7 +228,8 @@ class BatchPlanner:
         self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE, *, waiting: bool = True
     ) -> None:
         """End every running (and waiting) request with an error; their KV is not cached."""
-        for req in list(self.running.values()) + (list(self.waiting.values()) if waiting else []):
+        queued = [*self.waiting.values(), *self.compiling.values()] if waiting else []
+        for req in list(self.running.values()) + queued:
             self._deltas.append(self._delta(req, [], "error", error=message, code=code))
             if req.rid in self.running:
                 self._releases.append(req.rid)
@@ -214,6 +242,7 @@ class BatchPlanner:
         self._flight.clear()  # its steps are not coming back
         if waiting:
             self.waiting.clear()
+            self.compiling.clear()
 
     def expire_waiting(self, max_wait: float) -> int:
         """End, as overloaded, the requests that waited more than ``max_wait`` to start
@@ -547,4 +576,5 @@ class BatchPlanner:
             cached_tokens=req.cached_tokens,
             error=error,
             error_code=code,
+            grammar_backend=req.grammar_backend if reason is not None else None,
         )

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ...messages.control import ErrorReply
+from ...messages.control import ErrorReply, GetInfo, Info
 from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode, code_for_status
 from ...messages.generate import (
@@ -32,6 +32,7 @@ from ...messages.generate import (
 from ...messages.sampling import SamplingParams
 from ..runtime import Actor, ActorError, handles
 from .detokenize import TextStream, stream_batch, token_logprobs
+from .reasoning import ReasoningFormat, ReasoningSplitter
 
 __all__ = ["TokenizerActor"]
 
@@ -95,11 +96,22 @@ class _Live:
     msg_id: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning: ReasoningSplitter | None = None  # thinking apart from the answer
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """``(reasoning, content)`` of this step's text."""
+        if self.reasoning is None:
+            return "", text
+        thought, content = self.reasoning.push(text)
+        if final:
+            more = self.reasoning.flush()
+            thought, content = thought + more[0], content + more[1]
+        return thought, content
 
 
 class TokenizerActor(Actor):
     role = "tokenizer"
-    inbox = (GenerateRequest, TokenBatch, AbortRequest)
+    inbox = (GenerateRequest, TokenBatch, AbortRequest, GetInfo)
 
     async def on_start(self) -> None:
         from .tokenization import load_tokenizer
@@ -115,9 +127,25 @@ class TokenizerActor(Actor):
             self.max_model_len or 8192
         )
         self._renders = asyncio.Semaphore(_RENDERS)
+        self.reasoning_format: ReasoningFormat | None = None
+        if self.config.grammar.reasoning_parser:
+            from ...extensions.points import REASONING_PARSERS
+
+            self.reasoning_format = REASONING_PARSERS.get(self.config.grammar.reasoning_parser)
 
     def ready_info(self) -> dict[str, Any]:
-        return {"vocab_size": self.tok.vocab_size, "chat_template": bool(self.tok.chat_template)}
+        template = self.tok.chat_template or ""
+        return {
+            "vocab_size": self.tok.vocab_size,
+            "chat_template": bool(template),
+            # Templates that render a request's tools name them; the gateway lets the
+            # model choose a call (tool_choice "auto") only then.
+            "chat_template_tools": "tools" in template,
+        }
+
+    @handles(GetInfo)
+    async def on_info(self, msg: GetInfo, env: Envelope) -> Info:
+        return Info(role=self.role, values=self.ready_info())
 
     def stats(self) -> dict[str, Any]:
         return {"live": len(self.live), "requests": self.requests}
@@ -154,7 +182,11 @@ class TokenizerActor(Actor):
             return
         self.tokenizing.discard(req.rid)
         self.live[req.rid] = _Live(
-            reply_to, TextStream(self.tok, req.sampling), len(ids), req.sampling.logprobs
+            reply_to,
+            TextStream(self.tok, req.sampling),
+            len(ids),
+            req.sampling.logprobs,
+            reasoning=self._splitter(req, ids),
         )
         out = TokenizedRequest(
             rid=req.rid,
@@ -195,6 +227,15 @@ class TokenizerActor(Actor):
         if len(text) <= _INLINE_CHARS:
             return self.tok.encode(text)
         return await self.run_blocking(self.tok.encode, text)
+
+    def _splitter(self, req: GenerateRequest, ids: list[int]) -> ReasoningSplitter | None:
+        fmt = self.reasoning_format
+        if fmt is None or not req.separate_reasoning:
+            return None
+        # Where the prompt leaves the output: inside a think block the template opened,
+        # after one it closed, or neither (the worker's reasoner reads it the same way).
+        tail = self.tok.decode(ids[-32:], skip_special_tokens=False)
+        return ReasoningSplitter(fmt, fmt.initial_state(tail))
 
     def _bound(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
@@ -293,9 +334,12 @@ class TokenizerActor(Actor):
             lv.completion_tokens += len(delta.token_ids)
             lv.cached_tokens = max(lv.cached_tokens, delta.cached_tokens)
             reason = text.finish_reason or delta.finish_reason
+            thought, content = lv.split(text.text, reason is not None)
             out = TextDelta(
                 rid=delta.rid,
-                text=text.text,
+                text=content,
+                reasoning_text=thought,
+                grammar_backend=delta.grammar_backend,
                 token_ids=delta.token_ids,
                 logprobs=token_logprobs(
                     self.tok, delta.token_ids, delta.logprobs, delta.top_logprobs

@@ -226,7 +226,9 @@ class TextStream:
             tokenizer, sampling.skip_special_tokens, sampling.spaces_between_special_tokens
         )
         self.stops = StopStringMatcher(sampling.stop)
-        eos = frozenset() if sampling.ignore_eos else tokenizer.eos_token_ids
+        # A constrained request stops at eos whatever ignore_eos says (its grammar ends there).
+        keep_eos = not sampling.ignore_eos or sampling.constraint is not None
+        eos = tokenizer.eos_token_ids if keep_eos else frozenset()
         self.stop_token_ids: frozenset[int] = frozenset(sampling.stop_token_ids) | eos
         self.finished = False
 

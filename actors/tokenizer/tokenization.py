@@ -216,6 +216,10 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls is not None:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 

@@ -1,14 +1,17 @@
 """WorkerActor: one ForwardBatch in, one StepResult out, the forward pass off the loop.
 
 The model, its KV tensors, the attention backend and the sampler all live in
-:class:`~actorlm.gpu.runner.ModelRunner`; this actor only moves messages.
+:class:`~actorlm.gpu.runner.ModelRunner`; this actor only moves messages. It also
+answers ``CompileGrammar``: constraints compile here, in the grammar manager's
+threads, concurrently with the forward pass (see ``actorlm.gpu.grammar.manager``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -16,8 +19,12 @@ import numpy as np
 from ...messages.control import GetInfo, Info
 from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode
+from ...messages.grammar import CompileGrammar, GrammarCompiled
 from ...messages.step import ForwardBatch, PageIO, SeqError, StepResult
 from ..runtime import RESTARTED, Actor, handles
+
+if TYPE_CHECKING:
+    from ...gpu.grammar.manager import GrammarSetup
 
 __all__ = ["WorkerActor"]
 
@@ -26,13 +33,17 @@ log = logging.getLogger(__name__)
 
 class WorkerActor(Actor):
     role = "worker"
-    inbox = (ForwardBatch, GetInfo)
+    inbox = (ForwardBatch, GetInfo, CompileGrammar)
 
     async def on_start(self) -> None:
+        from ...gpu.grammar.manager import GrammarManager
         from ...gpu.runner import ModelRunner
         from ..cache.actor import open_storage
 
         self.runner = await self.run_blocking(ModelRunner, self.config.model)
+        self.grammars = GrammarManager(self.config.grammar, self._grammar_setup)
+        self.runner.grammars = self.grammars
+        self.compiles = 0
         self.storage = open_storage(self.config)
         # One forward at a time: the runner's KV pool and sampler state are not shared-safe.
         self._lock = asyncio.Lock()
@@ -44,13 +55,54 @@ class WorkerActor(Actor):
 
         return {**msgspec.to_builtins(self.runner.info), "platform": current_platform().describe()}
 
+    async def on_stop(self) -> None:
+        self.grammars.close()
+
     def stats(self) -> dict[str, Any]:
         corrupt = getattr(self.storage, "corrupt", 0)
         return {
             "steps": self.steps,
             "forward_ms_total": self.forward_ms,
             "storage_corrupt": corrupt,
+            "grammar_compiles": self.compiles,
         }
+
+    def _grammar_setup(self) -> GrammarSetup:
+        """The model's tokenizer for the grammar backends, and the think tokens of
+        ``--reasoning-parser``; run once, in a compile thread, on the first constraint."""
+        from ...extensions.points import REASONING_PARSERS
+        from ...gpu.grammar.base import GrammarContext
+        from ...gpu.grammar.manager import GrammarSetup
+        from ...gpu.grammar.reasoner import ThinkTokens
+        from ..tokenizer import reasoning  # noqa: F401  (registers the built-in formats)
+        from ..tokenizer.tokenization import load_tokenizer
+
+        cfg = self.config.grammar
+        tok = load_tokenizer(self.config.model.path)
+        if not getattr(tok.hf, "is_fast", False):
+            raise ValueError("the grammar backends need a fast (tokenizers) tokenizer")
+        context = GrammarContext(
+            tokenizer=tok.hf,
+            vocab_size=self.runner.info.vocab_size,
+            eos_token_ids=tuple(sorted(tok.eos_token_ids)),
+            any_whitespace=cfg.grammar_any_whitespace,
+        )
+        think = None
+        if cfg.reasoning_parser:
+            fmt = REASONING_PARSERS.get(cfg.reasoning_parser)
+            start = tok.encode(fmt.think_start, add_special_tokens=False)
+            end = tok.encode(fmt.think_end, add_special_tokens=False)
+            if len(start) == 1 and len(end) == 1:
+                think = ThinkTokens(start[0], end[0], fmt.forced)
+            else:
+                log.warning(
+                    "--reasoning-parser %s: %s and %s are not single tokens of this tokenizer; "
+                    "constraints apply from the first output token",
+                    fmt.name,
+                    fmt.think_start,
+                    fmt.think_end,
+                )
+        return GrammarSetup(context, think)
 
     def _step(self, batch: ForwardBatch) -> StepResult:
         if not (batch.store_pages or batch.load_pages):
@@ -99,6 +151,7 @@ class WorkerActor(Actor):
             # Its requests died with it: their sampling state here is garbage.
             async with self._lock:
                 self.runner.release_all()
+                self.grammars.release_all()
 
     @handles(GetInfo)
     async def on_info(self, msg: GetInfo, env: Envelope) -> Info:
@@ -112,3 +165,33 @@ class WorkerActor(Actor):
             self.steps += 1
         self.forward_ms += result.forward_ms
         return result
+
+    @handles(CompileGrammar)
+    async def on_compile(self, msg: CompileGrammar, env: Envelope) -> GrammarCompiled:
+        """Compile off the loop; answer when done, or fail the request at the timeout
+        (the compile goes on, and its result is cached for the next request)."""
+        await asyncio.wrap_future(self.grammars.prepare())  # once: the backends' tables
+        t0 = time.perf_counter()
+        fut = self.grammars.compile(msg.kind, msg.value)
+        cached = fut.done()
+        self.compiles += not cached
+        limit = self.config.grammar.grammar_compile_timeout_s
+        waiter = asyncio.wrap_future(fut)
+        done, _ = await asyncio.wait({waiter}, timeout=limit)
+        ms = (time.perf_counter() - t0) * 1e3
+        if not done:
+            kind = msg.kind.replace("_", " ")
+            return GrammarCompiled(
+                rid=msg.rid,
+                error=f"compiling the {kind} took longer than {limit:g}s "
+                "(--grammar-compile-timeout); simplify it or try again later",
+                compile_ms=ms,
+            )
+        compiled = waiter.result()
+        return GrammarCompiled(
+            rid=msg.rid,
+            backend=compiled.backend,
+            error=compiled.error,
+            compile_ms=ms,
+            cached=cached,
+        )

@@ -286,7 +286,7 @@ def test_cpu_platform_describes_this_machine() -> None:
     unset = EngineConfig(model=ModelConfig(device="", attention_backend="", page_size=0))
     model = platform.adjust_defaults(unset).model
     assert (model.device, model.attention_backend, model.page_size) == ("cpu", "cpu", 16)
-    assert model.quantization == "gguf" and model.dtype == "float32"  # --dtype auto
+    assert model.quantization == "gguf" and model.dtype == platform.default_dtype()  # auto
     cores = len(os.sched_getaffinity(0))
     budget = platform.adjust_defaults(unset).scheduler.max_prefill_tokens
     assert budget == min(2048, max(256, 128 * cores))  # ~0.5 s of prefill a step

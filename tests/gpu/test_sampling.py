@@ -255,6 +255,29 @@ def test_masks_bool_and_packed_bitmask(device: torch.device) -> None:
         assert g.token_id == 35 and s.token_id in allowed
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [[0, 1, 2], [1]], ids=["all-rows", "one-row"])
+def test_packed_bitmasks_of_a_batch_unpack_together(device: torch.device, rows: list[int]) -> None:
+    """Grammar bitmasks (int32, one width) go through one unpack, the vocab padded past
+    the mask's end (disallowed) and a mask wider than the vocab cut."""
+    g = torch.Generator().manual_seed(0)
+    for vocab in (70, 96, 100):  # masks of 3 words: 96 tokens
+        sampler = Sampler(vocab, device)
+        for i in range(3):
+            sampler.add(f"r{i}", init([0], temperature=0.0))
+        words = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=g, dtype=torch.int64)
+        masks = {r: words[r].to(torch.int32) for r in rows}
+        logits = torch.randn(3, vocab, generator=g)
+        got = sampler.processed_logits(["r0", "r1", "r2"], logits.to(device), masks).cpu()
+        for r in range(3):
+            if r not in masks:
+                assert torch.equal(got[r], logits[r])
+                continue
+            bits = [(int(masks[r][t // 32]) >> (t % 32)) & 1 if t < 96 else 0 for t in range(vocab)]
+            want = logits[r].masked_fill(torch.tensor(bits) == 0, float("-inf"))
+            assert torch.equal(got[r], want)
+
+
 def test_release_and_unknown_rid() -> None:
     sampler = Sampler(8, CPU)
     sampler.add("r", init([0], temperature=0.5, presence_penalty=1.0))

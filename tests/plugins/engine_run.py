@@ -50,6 +50,7 @@ def main() -> None:
         eviction_policy="example_oldest_first",
         hicache_storage_backend="example_recording",
         hicache_storage_dir=storage_dir,
+        grammar_backend="example_recording_grammar",
         num_pages=32,  # 512 tokens: the six prompts below cannot all stay cached
         page_size=16,
         plugin_config={"example": {"greeting": "hello"}},  # --plugin-config example.greeting=hello
@@ -65,6 +66,12 @@ def main() -> None:
         out["forced"] = _out(
             engine.generate(prompts[1][:20], {"max_new_tokens": 5, "logit_processors": force})
         )
+        constrained = engine.generate(prompts[2][:20], {"max_new_tokens": 8, "regex": "[0-9]{3}"})
+        out["constrained"] = {
+            **_out(constrained),
+            "text": constrained.text,
+            "grammar_backend": constrained.grammar_backend,
+        }
         try:
             engine.generate("hello", {"max_new_tokens": 2, "logit_processors": [
                 {"name": "example_force_token", "params": {"token_id": -3}}]})  # fmt: skip

@@ -98,6 +98,7 @@ def serve_run(runs: dict[str, Run]) -> Run:
 def test_hooks_of_all_four_kinds_take_effect_in_the_actor_processes(engine_run: Run) -> None:
     out = engine_run.out
     generated = [out["reference"], out["capped"], out["after_rejects"], out["forced"]]
+    generated += [out["constrained"]]
     generated += out["pressure"] + [out["again"]]
     # REPLACE of the Sampler class: the worker built the plugin's subclass, once.
     (worker,) = engine_run.pids("sampler.init")
@@ -194,6 +195,15 @@ def test_logit_processor_chosen_per_request(engine_run: Run) -> None:
     assert forced["token_ids"] == [42] * 5
     bad = engine_run.out["bad_processor"]
     assert bad["status"] == 400 and "example_force_token takes exactly" in bad["message"]
+
+
+def test_grammar_backend_chosen_by_flag(engine_run: Run) -> None:
+    constrained = engine_run.out["constrained"]  # temperature 1, yet three digits and eos
+    assert constrained["grammar_backend"] == "example_recording_grammar"
+    assert len(constrained["text"]) == 3 and constrained["text"].isdigit()
+    assert constrained["finish_reason"] == "stop"
+    (worker,) = engine_run.pids("sampler.init")
+    assert engine_run.pids("grammar.regex") == {worker}  # compiled once, in the worker
 
 
 def test_allowlist_and_an_unselected_platform(engine_run: Run) -> None:
@@ -329,8 +339,10 @@ def test_actorlm_plugins_lists_plugins_platform_entries_hooks_and_interceptors(
         "example_oldest_first",
         "example_recording",
         "example_force_token",
+        "example_recording_grammar",
     ):
         assert f"{entry} [example]" in lines, entry
+    assert "xgrammar [builtin]" in lines and "llguidance [builtin]" in lines
     assert "example_device_attention [example_device_extras]" in lines
     assert "example_device [example_device]" in lines
     assert "LlamaForCausalLM [builtin]" in lines  # built-ins keep their source

@@ -12,6 +12,7 @@ from __future__ import annotations
 from actorlm.extensions.points import (
     ATTENTION_BACKENDS,
     EVICTION_POLICIES,
+    GRAMMAR_BACKENDS,
     HICACHE_STORAGE,
     LOGIT_PROCESSORS,
     MODELS,
@@ -70,4 +71,9 @@ def register(settings: PluginSettings) -> None:
         "example_force_token",
         f"{_PKG}.logits:ForceToken",
         help="always sample params['token_id']",
+    )
+    GRAMMAR_BACKENDS.register(
+        "example_recording_grammar",
+        f"{_PKG}.grammar:RecordingGrammarBackend",
+        help="xgrammar, recording each compile",
     )
