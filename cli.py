@@ -67,6 +67,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(
                     *flags, dest=f.name, type=type(f.default), default=None, metavar=f.name.upper()
                 )
+            elif f.default_factory is list:  # a list of strings: --lora-paths a=/x b=/y
+                group.add_argument(
+                    *flags, dest=f.name, nargs="+", default=None, metavar=f.name.upper()
+                )
     parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
 
 
@@ -89,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     actor = sub.add_parser("actor", help="run one actor alone (disaggregated deployment)")
     actor.add_argument(
-        "role", help="tokenizer | scheduler | cache_manager | worker | gateway, or module:Class"
+        "role",
+        help="tokenizer | scheduler | cache_manager | worker | lora_loader | gateway, "
+        "or module:Class",
     )
     actor.add_argument("--deploy", help="TOML deployment file naming every actor's address")
     actor.add_argument("--bind", help="address this actor binds (ipc:// or tcp://)")

@@ -42,7 +42,7 @@ HICACHE_STORAGE: Registry[Any] = get_registry(
     "HiCache storage backend", "--hicache-storage-backend"
 )
 LORA_EVICTION_POLICIES: Registry[Any] = get_registry(
-    "LoRA eviction policy", unused="the LoRA loader is not built yet"
+    "LoRA eviction policy", "--lora-eviction-policy"
 )
 LOGIT_PROCESSORS: Registry[Any] = get_registry(
     "logit processor", "sampling_params.logit_processors"
@@ -60,6 +60,7 @@ BUILTIN_MODULES = (
     "actorlm.gpu.quantization",
     "actorlm.actors.cache.eviction",
     "actorlm.actors.cache.hicache",
+    "actorlm.actors.lora_loader.eviction",
     "actorlm.actors.roles",
 )
 

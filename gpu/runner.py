@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -24,6 +25,9 @@ from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .platforms import resolve_dtype
 from .quantization import quantize_model
+
+if TYPE_CHECKING:
+    from .lora.pool import LoraMemoryPool
 
 __all__ = ["ModelRunner"]
 
@@ -94,6 +98,27 @@ class ModelRunner:
 
         self.sampler = Sampler(info.vocab_size, self.device)
         self.graphs = capture_decode_graphs(self, max_len, pad_page=num_pages) if graphs else None
+        self.lora: LoraMemoryPool | None = None  # adapter slots, once enable_lora ran
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Give the model ``num_slots`` adapter slots of rank ``max_rank`` (on top of the
+        linear method). Decode steps then run eagerly: a captured graph would replay
+        without the step's adapter plan."""
+        from .lora.layers import install_lora
+        from .lora.pool import LoraMemoryPool
+        from .lora.targets import BaseShapes, placements
+
+        shapes = BaseShapes.from_info(self.info)
+        self.lora = LoraMemoryPool(shapes, num_slots, max_rank, self.dtype, self.device)
+        wrapped = install_lora(self.model, self.lora, placements(self.info))
+        self.graphs = None
+        log.info(
+            "LoRA: %d slots of rank %d on %d projections, %.1f MiB",
+            num_slots,
+            max_rank,
+            wrapped,
+            self.lora.nbytes / 2**20,
+        )
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
@@ -111,12 +136,24 @@ class ModelRunner:
         if errors:
             failed = {e.rid for e in errors}
             seqs = [s for s in seqs if s.rid not in failed]
+        plan = None
+        if self.lora is not None and batch.lora_ids:
+            seqs, plan = self.lora.plan_step(seqs, batch, errors)
         results = []
         rids = [s.rid for s in seqs if s.sample]
         if seqs:
-            logits = self.forward_logits(seqs)
+            if self.lora is not None:
+                self.lora.plan = plan
+            try:
+                logits = self.forward_logits(seqs)
+            finally:
+                if self.lora is not None:
+                    self.lora.plan = None
             if rids:
                 results = self.sampler.sample(rids, logits)
+            if plan is not None:  # grouped by adapter above: back to batch order
+                order = {s.rid: i for i, s in enumerate(batch.seqs)}
+                results.sort(key=lambda r: order[r.rid])
         return StepResult(
             step_id=batch.step_id,
             results=results,

@@ -12,7 +12,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_DIR", "build_tiny_model", "default_gguf_path", "smollm2_tokenizer_dir"]
+__all__ = [
+    "CACHE_DIR",
+    "build_lora_adapter",
+    "build_tiny_model",
+    "default_gguf_path",
+    "smollm2_tokenizer_dir",
+]
 
 CACHE_DIR = Path(__file__).parent / ".cache"
 
@@ -76,4 +82,42 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides:
     tok_dir = smollm2_tokenizer_dir()
     for f in tok_dir.iterdir():
         shutil.copy(f, out / f.name)
+    return out
+
+
+def build_lora_adapter(
+    base: Path,
+    out: Path,
+    *,
+    r: int = 4,
+    alpha: float = 8.0,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    scale: float = 1.0,
+    **config: Any,
+) -> Path:
+    """A random PEFT LoRA adapter for the model at ``base``, saved by ``peft`` at ``out``.
+
+    PEFT starts B at zero (an adapter that changes nothing); here A and B are random
+    (``init_lora_weights=False``), B times ``scale``, so outputs differ from the base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        lora_dropout=0.0,
+        **config,
+    )
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    peft_model.save_pretrained(str(out))
     return out

@@ -103,6 +103,8 @@ class BatchPlanner:
         # After a retraction, admit nothing until a request ends: admitting into the
         # pages a retraction just freed would only cause the next retraction.
         self._hold_admission = False
+        # LoRA: adapters in a worker slot now; a request for any other waits (adapters.py).
+        self.ready_adapters: set[str] = set()
         self.stats = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
@@ -222,7 +224,10 @@ class BatchPlanner:
 
     # -- one step ---------------------------------------------------------------
     def _candidates(self, limit: int) -> list[Req]:
-        reqs: Iterable[Req] = self.waiting.values()
+        ready = self.ready_adapters
+        reqs: Iterable[Req] = (
+            r for r in self.waiting.values() if not r.request.lora_id or r.request.lora_id in ready
+        )
         if self.cfg.policy == "priority":
             reqs = sorted(reqs, key=lambda r: (-r.request.priority, r.seq))
         else:  # fcfs, and lpm's candidates in arrival order (the cache manager reorders)
@@ -254,7 +259,11 @@ class BatchPlanner:
                     break
                 budget -= len(req.ids) - req.computed
                 extra = self.pages_for(len(req.ids) + 1) - self.pages_for(len(req.ids))
-                admits.append(AdmitOp(req.rid, list(req.ids), extra, req.request.priority))
+                admits.append(
+                    AdmitOp(
+                        req.rid, list(req.ids), extra, req.request.priority, req.request.lora_id
+                    )
+                )
         pending = self._finishes or self._releases or self._commits or self._forget_keys
         if not (admits or self._extends or pending):
             return None

@@ -7,7 +7,10 @@ as long as its last stride is 1. Rows whose segment uses ``BASE`` are never writ
 
 ``lora_apply_torch`` is the reference (any device, fp32 products); ``lora_apply_triton``
 runs the segmented shrink and expand kernels (``kernels/triton/lora``); ``lora_apply``
-takes Triton on CUDA where it imports.
+takes Triton on CUDA where it imports. ``lora_apply_segments`` is the CPU path the
+worker runs: the same math in the compute dtype, with the segments and ranks given as
+Python lists built once per step (the batch's rows grouped so each adapter is one
+segment), two matmuls per adapter and no copies of ``x`` or of the weights.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import torch
 
 from .batch import BASE, LoraBatch
 
-__all__ = ["LoraWeights", "lora_apply", "lora_apply_torch", "lora_apply_triton"]
+__all__ = [
+    "LoraWeights",
+    "lora_apply",
+    "lora_apply_segments",
+    "lora_apply_torch",
+    "lora_apply_triton",
+]
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,26 @@ def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, w: LoraWeights, batch: Lo
         a, b = w.a[slot, :r].float(), w.b[slot, :, :r].float()
         delta = (x[lo:hi].float() @ a.T) @ b.T
         y[lo:hi] += (scalings[slot] * delta).to(y.dtype)
+
+
+def lora_apply_segments(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: LoraWeights,
+    segments: Sequence[tuple[int, int, int]],
+    ranks: Sequence[int],
+    scalings: Sequence[float] | None = None,
+) -> None:
+    """In place on ``y``: for each ``(slot, lo, hi)``, rows ``lo:hi`` get slot's delta.
+    ``ranks[slot]`` (0: the slot leaves this layer alone) and ``scalings`` (None: 1, the
+    worker folds them into ``b``) are ``w.ranks`` and ``w.scalings`` as Python lists."""
+    for slot, lo, hi in segments:
+        r = ranks[slot]
+        if r == 0 or slot == BASE or lo == hi:
+            continue
+        t = torch.mm(x[lo:hi], w.a[slot, :r].t())  # [n, r]
+        alpha = 1.0 if scalings is None else scalings[slot]
+        y[lo:hi].addmm_(t, w.b[slot, :, :r].t(), alpha=alpha)
 
 
 def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:

@@ -1,0 +1,185 @@
+"""The worker's adapter slots: stacked LoRA weights for every layer and projection,
+which adapter each slot holds, and the per-step plan that says which rows use which.
+
+Memory is fixed at start, as a GPU pool would be: for each projection ``a`` is
+[L, S, R, in] and ``b`` [L, S, out, R] (S slots, R = ``--max-lora-rank``); an adapter
+of rank r fills the first r rows of ``a`` and columns of ``b`` in its slot, and
+projections it does not target get rank 0 (skipped). ``b`` holds the scaling already
+(the loader folds it in), so ``scalings`` are 1.
+
+Loading a slot runs beside a forward pass (another thread) and never races it: the
+loader only hands out slots no running request uses, and the slot's id is cleared
+before its weights change and set once the last part is in, so a step planned
+meanwhile cannot find it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from actorlm.messages.errors import ErrorCode
+from actorlm.messages.step import ForwardBatch, SeqError, SeqStep
+
+from .batch import BASE, LoraBatch
+from .ops import LoraWeights, lora_apply_segments, lora_apply_triton
+from .targets import LORA_MODULES, BaseShapes
+
+__all__ = ["LoraMemoryPool", "LoraPlan"]
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """One step's rows by adapter slot, for every LoRA layer of the step."""
+
+    batch: LoraBatch
+    segments: list[tuple[int, int, int]]  # (slot, first row, end row), adapter rows only
+    triton: bool = False
+
+    @classmethod
+    def build(cls, lens: Sequence[int], slots: Sequence[int], triton: bool = False) -> LoraPlan:
+        """Sequences of ``lens`` rows using ``slots``, in packed order; runs of one slot
+        (the runner groups sequences by slot) become one segment."""
+        indptr, adapters = [0], []
+        for n, slot in zip(lens, slots, strict=True):
+            if adapters and adapters[-1] == slot:
+                indptr[-1] += n
+            else:
+                adapters.append(slot)
+                indptr.append(indptr[-1] + n)
+        segments = [
+            (slot, indptr[i], indptr[i + 1]) for i, slot in enumerate(adapters) if slot != BASE
+        ]
+        batch = LoraBatch(np.asarray(indptr, np.int32), np.asarray(adapters, np.int32))
+        return cls(batch, segments, triton)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, w: LoraWeights, ranks: list[int]) -> None:
+        if self.triton:
+            lora_apply_triton(x, y, w, self.batch)
+        else:
+            lora_apply_segments(x, y, w, self.segments, ranks)
+
+
+class LoraMemoryPool:
+    def __init__(
+        self,
+        shapes: BaseShapes,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.shapes = shapes
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.dtype, self.device = dtype, device
+        L, S, R = shapes.num_layers, num_slots, max_rank
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        self.ranks: dict[str, list[int]] = {}  # host copy of each projection's slot ranks
+        self.weights: dict[str, list[LoraWeights]] = {}  # [module][layer]: views of a and b
+        self._rank_t: dict[str, torch.Tensor] = {}
+        ones = torch.ones(S, dtype=torch.float32, device=device)
+        for m in LORA_MODULES:
+            k, n = shapes.modules[m]
+            self.a[m] = torch.zeros(L, S, R, k, dtype=dtype, device=device)
+            self.b[m] = torch.zeros(L, S, n, R, dtype=dtype, device=device)
+            self.ranks[m] = [0] * S
+            self._rank_t[m] = torch.zeros(S, dtype=torch.int32, device=device)
+            self.weights[m] = [
+                LoraWeights(self.a[m][i], self.b[m][i], self._rank_t[m], ones) for i in range(L)
+            ]
+        self.slot_ids: list[str | None] = [None] * S
+        self.plan: LoraPlan | None = None  # this step's, while its forward pass runs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.a.values(), *self.b.values()])
+
+    def slot_of(self, lora_id: str) -> int | None:
+        for i in range(len(self.slot_ids) - 1, -1, -1):
+            if self.slot_ids[i] == lora_id:
+                return i
+        return None
+
+    def plan_step(
+        self, seqs: list[SeqStep], batch: ForwardBatch, errors: list[SeqError]
+    ) -> tuple[list[SeqStep], LoraPlan | None]:
+        """``seqs`` grouped by adapter slot (base first, batch order within a slot) and
+        the step's plan (None: no adapter in it). A sequence whose adapter is in no slot
+        is left out with an error: it is never computed with other weights."""
+        from ..kernels.triton import triton_available
+
+        if len(batch.lora_ids) != len(batch.seqs):
+            raise ValueError(f"{len(batch.lora_ids)} lora_ids for {len(batch.seqs)} sequences")
+        wanted = dict(zip((s.rid for s in batch.seqs), batch.lora_ids, strict=True))
+        keyed: list[tuple[int, SeqStep]] = []
+        for s in seqs:
+            lora_id = wanted.get(s.rid, "")
+            slot = self.slot_of(lora_id) if lora_id else BASE
+            if slot is None:
+                message = f"adapter {lora_id} is not loaded in the worker (it restarted?); retry"
+                errors.append(SeqError(s.rid, message, ErrorCode.UNAVAILABLE))
+                continue
+            keyed.append((slot, s))
+        keyed.sort(key=lambda t: t[0])
+        grouped = [s for _, s in keyed]
+        if all(slot == BASE for slot, _ in keyed):
+            return grouped, None
+        triton = self.device.type == "cuda" and triton_available()
+        lens = [len(s.input_ids) for s in grouped]
+        return grouped, LoraPlan.build(lens, [slot for slot, _ in keyed], triton)
+
+    def load(
+        self,
+        slot: int,
+        lora_id: str,
+        targets: Sequence[tuple[str, np.ndarray, np.ndarray]],
+        *,
+        first: bool = True,
+        last: bool = True,
+    ) -> None:
+        """Copy one part of an adapter's weights ((module, a [L, r, in], b [L, out, r]))
+        into ``slot``; the slot serves ``lora_id`` once the ``last`` part is in."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range (the worker has {self.num_slots})")
+        checked = [self._check(m, a, b) for m, a, b in targets]
+        if first:
+            self.slot_ids[slot] = None  # before any weight changes: no new step finds it
+            for m in LORA_MODULES:
+                self._set_rank(m, slot, 0)
+        for m, a, b in checked:
+            r = a.shape[1]
+            self.a[m][:, slot, :r].copy_(a)
+            self.b[m][:, slot, :, :r].copy_(b)
+            self._set_rank(m, slot, r)
+        if last:
+            self.slot_ids[slot] = lora_id
+
+    def _check(
+        self, m: str, a: np.ndarray, b: np.ndarray
+    ) -> tuple[str, torch.Tensor, torch.Tensor]:
+        if m not in self.a:
+            raise ValueError(f"unknown LoRA target {m!r}; known: {', '.join(LORA_MODULES)}")
+        k, n = self.shapes.modules[m]
+        L, R = self.shapes.num_layers, self.max_rank
+        r = a.shape[1] if a.ndim == 3 else -1
+        if a.shape != (L, r, k) or b.shape != (L, n, r) or not 0 < r <= R:
+            raise ValueError(
+                f"{m}: A {list(a.shape)} and B {list(b.shape)} do not fit [{L}, r<={R}, {k}] "
+                f"and [{L}, {n}, r]"
+            )
+        with warnings.catch_warnings():  # arrays over received frames are read-only: we only read
+            warnings.simplefilter("ignore", UserWarning)
+            ta, tb = torch.from_numpy(np.asarray(a)), torch.from_numpy(np.asarray(b))
+        return m, ta.to(self.dtype, copy=False), tb.to(self.dtype, copy=False)
+
+    def _set_rank(self, m: str, slot: int, r: int) -> None:
+        self.ranks[m][slot] = r
+        self._rank_t[m][slot] = r
+
+    def clear(self) -> None:
+        """Every slot free (the loader that filled them is gone)."""
+        self.slot_ids = [None] * self.num_slots
