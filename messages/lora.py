@@ -38,7 +38,10 @@ __all__ = [
 # -- gateway (or Engine) ⇄ lora_loader -------------------------------------------
 
 
-class LoraAdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
+class LoraAdapterInfo(Message, frozen=True, kw_only=True):
+    """One adapter as the registry knows it (the answer to a load or an unload)."""
+
+    TAG: ClassVar[str] = "lora.adapter"
     name: str
     lora_id: str
     path: str

@@ -156,8 +156,8 @@ class LoraLoaderActor(Actor):
             weights.path,
             self.load_ms[-1],
         )
-        if pinned:
-            self._start(self.slots.assign([ref.lora_id], self.in_use, pin=True))
+        if pinned and "worker" in self.runtime.peers.up:  # else once it is (on_peer_up)
+            self._ensure_pinned()
         return ref
 
     @handles(LoadLoraAdapter)
