@@ -13,6 +13,7 @@ from actorlm.extensions.points import (
     EVICTION_POLICIES,
     HICACHE_STORAGE,
     LOGIT_PROCESSORS,
+    LORA_EVICTION_POLICIES,
     MODELS,
     WEIGHT_LOADERS,
 )
@@ -50,6 +51,11 @@ def register() -> None:
         "example_recording",
         f"{_PKG}.storage:RecordingFileStorage",
         help="the file backend, recording reads and writes",
+    )
+    LORA_EVICTION_POLICIES.register(
+        "example_most_used_first",
+        f"{_PKG}.lora_eviction:MostUsedFirst",
+        help="evict the adapter used most",
     )
     LOGIT_PROCESSORS.register(
         "example_force_token",
