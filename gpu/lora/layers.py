@@ -36,10 +36,11 @@ class LoRALayer(nn.Module):
         plan = self.pool.plan
         if plan is None:
             return y
-        pool = self.pool
+        g = plan.gather
+        xg = None if g is None else x.index_select(0, g.index).view(-1, g.rows, x.shape[1])
         for p in self.parts:
             out = y if self.whole else y.narrow(1, p.offset, p.rows)
-            plan.apply(x, out, pool.weights[p.module][self.layer], pool.ranks[p.module])
+            self.pool.apply(plan, x, xg, out, p.module, self.layer)
         return y
 
 

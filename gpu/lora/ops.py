@@ -7,10 +7,10 @@ as long as its last stride is 1. Rows whose segment uses ``BASE`` are never writ
 
 ``lora_apply_torch`` is the reference (any device, fp32 products); ``lora_apply_triton``
 runs the segmented shrink and expand kernels (``kernels/triton/lora``); ``lora_apply``
-takes Triton on CUDA where it imports. ``lora_apply_segments`` is the CPU path the
-worker runs: the same math in the compute dtype, with the segments and ranks given as
-Python lists built once per step (the batch's rows grouped so each adapter is one
-segment), two matmuls per adapter and no copies of ``x`` or of the weights.
+takes Triton on CUDA where it imports. The worker's CPU path keeps weights rank-major
+(``[R, n, K]``) and runs ``lora_apply_gathered`` (two batched matmuls for every adapter
+of a decode step at once) or ``lora_apply_segments`` (two matmuls per adapter, for
+segments of very different lengths), as the step's plan says (``plan.LoraPlan``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .batch import BASE, LoraBatch
 __all__ = [
     "LoraWeights",
     "lora_apply",
+    "lora_apply_gathered",
     "lora_apply_segments",
     "lora_apply_torch",
     "lora_apply_triton",
@@ -81,21 +82,35 @@ def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, w: LoraWeights, batch: Lo
 def lora_apply_segments(
     x: torch.Tensor,
     y: torch.Tensor,
-    w: LoraWeights,
+    a: torch.Tensor,
+    b: torch.Tensor,
     segments: Sequence[tuple[int, int, int]],
     ranks: Sequence[int],
-    scalings: Sequence[float] | None = None,
 ) -> None:
-    """In place on ``y``: for each ``(slot, lo, hi)``, rows ``lo:hi`` get slot's delta.
-    ``ranks[slot]`` (0: the slot leaves this layer alone) and ``scalings`` (None: 1, the
-    worker folds them into ``b``) are ``w.ranks`` and ``w.scalings`` as Python lists."""
+    """The CPU path, one segment at a time (few segments of many rows: prefill chunks).
+
+    Weights are rank-major: ``a`` [R, n, K], ``b`` [R, n, N] (``b`` transposed, the
+    scaling folded in), so slot ``s``'s first ``r`` ranks are the strided matrices
+    ``a[:r, s]`` and ``b[:r, s]``. For each ``(slot, lo, hi)``, rows ``lo:hi`` get
+    ``(x A^T) B^T``; ``ranks[slot]`` 0 leaves them alone."""
     for slot, lo, hi in segments:
         r = ranks[slot]
         if r == 0 or slot == BASE or lo == hi:
             continue
-        t = torch.mm(x[lo:hi], w.a[slot, :r].t())  # [n, r]
-        alpha = 1.0 if scalings is None else scalings[slot]
-        y[lo:hi].addmm_(t, w.b[slot, :, :r].t(), alpha=alpha)
+        t = torch.mm(x[lo:hi], a[:r, slot].t())  # [rows, r]
+        y[lo:hi].addmm_(t, b[:r, slot])
+
+
+def lora_apply_gathered(
+    xg: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor
+) -> None:
+    """The CPU path for many segments (decode steps), every adapter in two batched
+    matmuls. ``xg`` [n, M, K]: the adapter rows gathered slot by slot (padded to M);
+    ``a`` [n, K, r] and ``b`` [n, r, N]: views of rank-major weights (zero past each
+    slot's rank); ``y`` [rows, N]: the adapter rows' outputs, in order; ``valid`` [rows]:
+    where those rows are among the n * M computed."""
+    out = torch.bmm(torch.bmm(xg, a), b)  # [n, M, N]
+    y.add_(out.flatten(0, 1).index_select(0, valid))
 
 
 def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:

@@ -1,11 +1,14 @@
-"""The worker's adapter slots: stacked LoRA weights for every layer and projection,
-which adapter each slot holds, and the per-step plan that says which rows use which.
+"""The worker's adapter slots: LoRA weights for every layer and projection, which
+adapter each slot holds, and the per-step plan that says which rows use which.
 
-Memory is fixed at start, as a GPU pool would be: for each projection ``a`` is
-[L, S, R, in] and ``b`` [L, S, out, R] (S slots, R = ``--max-lora-rank``); an adapter
-of rank r fills the first r rows of ``a`` and columns of ``b`` in its slot, and
-projections it does not target get rank 0 (skipped). ``b`` holds the scaling already
-(the loader folds it in), so ``scalings`` are 1.
+Memory is fixed at start, as a GPU pool would be: ``--max-loras-per-batch`` slots of
+rank R (``--max-lora-rank``) per projection and layer; an adapter of rank r fills the
+first r ranks of its slot, and projections it does not target get rank 0 (skipped).
+``b`` holds the scaling already (the loader folds it in). Two layouts: on CUDA the
+Triton kernels' (``a`` [L, S, R, in], ``b`` [L, S, out, R]); elsewhere rank-major
+(``a`` [L, R, S, in], ``b`` [L, R, S, out]): a layer's first r ranks of every slot
+are the batched matrices ``ops.lora_apply_gathered`` takes as they are, without a
+copy; past a slot's own rank they are zero (``load`` clears what an adapter left).
 
 Loading a slot runs beside a forward pass (another thread) and never races it: the
 loader only hands out slots no running request uses, and the slot's id is cleared
@@ -17,50 +20,18 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from actorlm.messages.errors import ErrorCode
 from actorlm.messages.step import ForwardBatch, SeqError, SeqStep
 
-from .batch import BASE, LoraBatch
-from .ops import LoraWeights, lora_apply_segments, lora_apply_triton
+from .batch import BASE
+from .ops import LoraWeights, lora_apply_gathered, lora_apply_segments, lora_apply_triton
+from .plan import LoraPlan
 from .targets import LORA_MODULES, BaseShapes
 
-__all__ = ["LoraMemoryPool", "LoraPlan"]
-
-
-@dataclass(frozen=True)
-class LoraPlan:
-    """One step's rows by adapter slot, for every LoRA layer of the step."""
-
-    batch: LoraBatch
-    segments: list[tuple[int, int, int]]  # (slot, first row, end row), adapter rows only
-    triton: bool = False
-
-    @classmethod
-    def build(cls, lens: Sequence[int], slots: Sequence[int], triton: bool = False) -> LoraPlan:
-        """Sequences of ``lens`` rows using ``slots``, in packed order; runs of one slot
-        (the runner groups sequences by slot) become one segment."""
-        indptr, adapters = [0], []
-        for n, slot in zip(lens, slots, strict=True):
-            if adapters and adapters[-1] == slot:
-                indptr[-1] += n
-            else:
-                adapters.append(slot)
-                indptr.append(indptr[-1] + n)
-        segments = [
-            (slot, indptr[i], indptr[i + 1]) for i, slot in enumerate(adapters) if slot != BASE
-        ]
-        batch = LoraBatch(np.asarray(indptr, np.int32), np.asarray(adapters, np.int32))
-        return cls(batch, segments, triton)
-
-    def apply(self, x: torch.Tensor, y: torch.Tensor, w: LoraWeights, ranks: list[int]) -> None:
-        if self.triton:
-            lora_apply_triton(x, y, w, self.batch)
-        else:
-            lora_apply_segments(x, y, w, self.segments, ranks)
+__all__ = ["LoraMemoryPool"]
 
 
 class LoraMemoryPool:
@@ -76,23 +47,64 @@ class LoraMemoryPool:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, device
         L, S, R = shapes.num_layers, num_slots, max_rank
+        self.rank_major = device.type != "cuda"
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.ranks: dict[str, list[int]] = {}  # host copy of each projection's slot ranks
-        self.weights: dict[str, list[LoraWeights]] = {}  # [module][layer]: views of a and b
+        self.weights: dict[str, list[LoraWeights]] = {}  # CUDA: the kernels' views of a, b
         self._rank_t: dict[str, torch.Tensor] = {}
         ones = torch.ones(S, dtype=torch.float32, device=device)
         for m in LORA_MODULES:
             k, n = shapes.modules[m]
-            self.a[m] = torch.zeros(L, S, R, k, dtype=dtype, device=device)
-            self.b[m] = torch.zeros(L, S, n, R, dtype=dtype, device=device)
+            dims = ((L, R, S, k), (L, R, S, n)) if self.rank_major else ((L, S, R, k), (L, S, n, R))
+            self.a[m] = torch.zeros(*dims[0], dtype=dtype, device=device)
+            self.b[m] = torch.zeros(*dims[1], dtype=dtype, device=device)
             self.ranks[m] = [0] * S
             self._rank_t[m] = torch.zeros(S, dtype=torch.int32, device=device)
-            self.weights[m] = [
-                LoraWeights(self.a[m][i], self.b[m][i], self._rank_t[m], ones) for i in range(L)
-            ]
+            if not self.rank_major:
+                self.weights[m] = [
+                    LoraWeights(self.a[m][i], self.b[m][i], self._rank_t[m], ones) for i in range(L)
+                ]
         self.slot_ids: list[str | None] = [None] * S
         self.plan: LoraPlan | None = None  # this step's, while its forward pass runs
+        self._views: dict[tuple[str, int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def batched(
+        self, module: str, layer: int, r: int, slots: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's first ``r`` ranks of ``slots`` as batched matrices, ``a`` [n, in, r]
+        and ``b`` [n, r, out]: views (made once per shape) of the rank-major weights."""
+        key = (module, layer, r, slots.start, slots.stop)
+        views = self._views.get(key)
+        if views is None:
+            a = self.a[module][layer][:r, slots].permute(1, 2, 0)
+            b = self.b[module][layer][:r, slots].permute(1, 0, 2)
+            views = self._views[key] = (a, b)
+        return views
+
+    def apply(
+        self,
+        plan: LoraPlan,
+        x: torch.Tensor,
+        xg: torch.Tensor | None,
+        y: torch.Tensor,
+        module: str,
+        layer: int,
+    ) -> None:
+        """Add the step's deltas of ``module`` in ``layer`` to ``y`` (its output rows);
+        ``xg``: ``x`` gathered by the plan, when it gathers."""
+        r = plan.ranks.get(module)
+        if r is None:
+            return
+        if plan.triton:
+            lora_apply_triton(x, y, self.weights[module][layer], plan.batch)
+        elif xg is not None and plan.gather is not None:
+            g = plan.gather
+            a, b = self.batched(module, layer, r, g.slots)
+            lora_apply_gathered(xg, y[g.first :], a, b, g.valid)
+        else:
+            a, b = self.a[module][layer], self.b[module][layer]
+            lora_apply_segments(x, y, a, b, plan.segments, self.ranks[module])
 
     @property
     def nbytes(self) -> int:
@@ -130,7 +142,9 @@ class LoraMemoryPool:
             return grouped, None
         triton = self.device.type == "cuda" and triton_available()
         lens = [len(s.input_ids) for s in grouped]
-        return grouped, LoraPlan.build(lens, [slot for slot, _ in keyed], triton)
+        slots = [slot for slot, _ in keyed]
+        plan = LoraPlan.build(lens, slots, self.ranks, triton=triton, device=self.device)
+        return grouped, plan
 
     def load(
         self,
@@ -148,12 +162,21 @@ class LoraMemoryPool:
         checked = [self._check(m, a, b) for m, a, b in targets]
         if first:
             self.slot_ids[slot] = None  # before any weight changes: no new step finds it
-            for m in LORA_MODULES:
+            for m in LORA_MODULES:  # what the last adapter left: batched paths read it
+                old = self.ranks[m][slot]
+                if old:
+                    zero = self.a[m][:, :old, slot] if self.rank_major else self.a[m][:, slot]
+                    zero.zero_()
+                    (self.b[m][:, :old, slot] if self.rank_major else self.b[m][:, slot]).zero_()
                 self._set_rank(m, slot, 0)
         for m, a, b in checked:
             r = a.shape[1]
-            self.a[m][:, slot, :r].copy_(a)
-            self.b[m][:, slot, :, :r].copy_(b)
+            if self.rank_major:
+                self.a[m][:, :r, slot].copy_(a)  # [L, r, in]
+                self.b[m][:, :r, slot].copy_(b.transpose(1, 2))  # [L, out, r] → [L, r, out]
+            else:
+                self.a[m][:, slot, :r].copy_(a)
+                self.b[m][:, slot, :, :r].copy_(b)
             self._set_rank(m, slot, r)
         if last:
             self.slot_ids[slot] = lora_id

@@ -13,8 +13,13 @@ from actorlm.actors.lora_loader.peft import AdapterWeights, read_adapter
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.lora.batch import BASE, LoraBatch
 from actorlm.gpu.lora.layers import LoRALayer
-from actorlm.gpu.lora.ops import LoraWeights, lora_apply_segments, lora_apply_torch
-from actorlm.gpu.lora.pool import LoraPlan
+from actorlm.gpu.lora.ops import (
+    LoraWeights,
+    lora_apply_gathered,
+    lora_apply_segments,
+    lora_apply_torch,
+)
+from actorlm.gpu.lora.plan import LoraPlan
 from actorlm.gpu.lora.targets import BaseShapes
 from actorlm.gpu.quantization import GGUFLinear, fbgemm_available
 from actorlm.gpu.runner import ModelRunner
@@ -65,9 +70,8 @@ def mixed_prefill(runner: ModelRunner, names: list[str]) -> torch.Tensor:
     ]
     slots = [BASE if not n else runner.lora.slot_of(n) for n in names]
     order = sorted(range(len(names)), key=lambda i: slots[i])  # rows grouped by slot
-    runner.lora.plan = LoraPlan.build(
-        [len(specs[i].input_ids) for i in order], [slots[i] for i in order]
-    )
+    lens = [len(specs[i].input_ids) for i in order]
+    runner.lora.plan = LoraPlan.build(lens, [slots[i] for i in order], runner.lora.ranks)
     try:
         logits = runner.run([specs[i] for i in order])
     finally:
@@ -80,9 +84,21 @@ def runner(tiny_llama: Path, lora_adapters: dict[str, Path]) -> ModelRunner:
     return lora_runner(tiny_llama, lora_adapters, quantization="none")
 
 
+@pytest.mark.parametrize("path", ["gather", "segments"])
 def test_a_mixed_prefill_matches_peft_for_every_adapter_and_the_base(
-    runner: ModelRunner, tiny_llama: Path, lora_adapters: dict[str, Path]
+    runner: ModelRunner,
+    tiny_llama: Path,
+    lora_adapters: dict[str, Path],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import actorlm.gpu.lora.plan as plan
+
+    # the CPU path is chosen by the padding gathering would compute: force each in turn
+    monkeypatch.setattr(plan, "MAX_PADDING", 1e9 if path == "gather" else -1.0)
+    assert runner.lora is not None
+    chosen = LoraPlan.build([3, 40], [0, 1], runner.lora.ranks)
+    assert (chosen.gather is not None) == (path == "gather")
     names = ["sql", "", "chat", "all", "sql", "sparse"]
     logits = mixed_prefill(runner, names)
     for i, name in enumerate(names):
@@ -183,25 +199,45 @@ def test_adapters_on_top_of_gguf_blocks(
         assert (logits[row] - ref).abs().max().item() < 1e-4, name
 
 
-def test_cpu_path_matches_the_reference_over_ranks_and_segments() -> None:
+def test_cpu_paths_match_the_reference_over_ranks_and_segments() -> None:
     torch.manual_seed(0)
     ranks = [3, 0, 8]  # slot 1 leaves this projection alone
-    w = LoraWeights.stack(
-        [(torch.randn(r, 24), torch.randn(40, r), 0.5 * (i + 1)) for i, r in enumerate(ranks)],
-        rank=8,
-    )
+    adapters = [
+        (torch.randn(r, 24), torch.randn(40, r), 0.5 * (i + 1)) for i, r in enumerate(ranks)
+    ]
+    w = LoraWeights.stack(adapters, rank=8)
     x = torch.randn(11, 24)
     batch = LoraBatch.from_seqs([4, 2, 3, 2], [2, BASE, 0, 1])
-    ref, got = torch.zeros(11, 40), torch.zeros(11, 40)
+    ref = torch.zeros(11, 40)
     lora_apply_torch(x, ref, w, batch)
+    # rank-major weights with the scaling folded into b, as the worker keeps them
+    a = w.a.permute(1, 0, 2).contiguous()  # [R, n, K]
+    b = (w.b * w.scalings[:, None, None]).permute(2, 0, 1).contiguous()  # [R, n, N]
     segments = [(2, 0, 4), (0, 6, 9), (1, 9, 11)]
-    lora_apply_segments(x, got, w, segments, ranks, w.scalings.tolist())
+    got = torch.zeros(11, 40)
+    lora_apply_segments(x, got, a, b, segments, ranks)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert got[4:6].abs().max().item() == 0 and got[9:].abs().max().item() == 0  # base, rank 0
+    # gathered: rows by slot (0: 6..9, 1: 9..11, 2: 0..4), padded to 4 rows a slot
+    x_grouped = torch.cat([x[6:9], x[9:11], x[0:4]])
+    order = list(range(6, 9)) + list(range(9, 11)) + list(range(0, 4))
+    xg = torch.stack([torch.cat([x[6:9], x[6:7]]), torch.cat([x[9:11], x[6:8]]), x[0:4]])
+    valid = torch.tensor([0, 1, 2, 4, 5, 8, 9, 10, 11])
+    out = torch.zeros(9, 40)
+    lora_apply_gathered(xg, out, a.permute(1, 2, 0), b.permute(1, 0, 2), valid)
+    torch.testing.assert_close(out, ref[order], rtol=1e-5, atol=1e-5)
+    assert x_grouped.shape[0] == 9 and out[3:5].abs().max().item() == 0  # rank 0: untouched
 
 
-def test_plan_merges_runs_of_one_slot() -> None:
-    plan = LoraPlan.build([5, 1, 1, 2, 1], [BASE, 0, 0, 3, 3])
+def test_plan_merges_runs_of_one_slot_and_gathers_balanced_ones() -> None:
+    ranks = {"q_proj": [4, 0, 0, 8], "v_proj": [0, 0, 0, 0]}
+    plan = LoraPlan.build([5, 1, 1, 2, 1], [BASE, 0, 0, 3, 3], ranks)
     assert plan.batch.seg_indptr.tolist() == [0, 5, 7, 10]
     assert plan.batch.seg_adapter.tolist() == [BASE, 0, 3]
     assert plan.segments == [(0, 5, 7), (3, 7, 10)]
+    assert plan.ranks == {"q_proj": 8}  # v_proj: no slot of the step adapts it
+    g = plan.gather  # slots 0..3 of 3 rows: 12 computed for 5 needed, over MAX_PADDING
+    assert g is None
+    plan = LoraPlan.build([1, 1, 2, 1], [0, 0, 1, 1], ranks)
+    g = plan.gather
+    assert g is not None and g.first == 0 and g.slots == slice(0, 2) and g.rows == 3
+    assert g.index.tolist() == [0, 1, 0, 2, 3, 4] and g.valid.tolist() == [0, 1, 3, 4, 5]
