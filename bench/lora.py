@@ -7,8 +7,10 @@ Adapters are random, written in PEFT's format (``adapter_config.json`` and a bfl
 ``adapter_model.safetensors``: the files ``peft`` saves, which the tests read against
 ``peft`` itself), targeting ``--targets`` (all seven projections by default). Request
 ``i`` of a batch with ``k`` adapters uses adapter ``i mod k``; greedy, ``ignore_eos``.
-Each configuration is warmed up (its adapters are in slots before the clock starts)
-and timed ``--repeats`` times; the best run is reported.
+Both engines (the base model alone, and with LoRA) run side by side; each configuration
+is warmed up (its adapters are in slots before the clock starts), then timed
+``--repeats`` times, each time right after a run of the base engine on the same
+prompts, and the median ratio is reported (the machine's load drifts over minutes).
 
     python bench/lora.py                    # the default model (SmolLM2-135M Q4_1 GGUF)
     python bench/lora.py --quick            # a smoke run: batch 8, 8 output tokens
@@ -26,7 +28,9 @@ import datetime as dt
 import json
 import logging
 import math
+import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -83,28 +87,41 @@ async def _batch(engine: Any, prompts: list[list[int]], loras: list[str | None],
 def timed(
     engine: Any, prompts: list[list[int]], loras: list[str | None], args: argparse.Namespace
 ) -> dict[str, Any]:
-    asyncio.run(_batch(engine, prompts, loras, 2))  # warm-up: every adapter into its slot
-    best: dict[str, Any] | None = None
-    for _ in range(args.repeats):
-        wall, outs = asyncio.run(_batch(engine, prompts, loras, args.output_len))
-        tokens = sum(len(o.token_ids) for o in outs)
-        run = {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
-        if best is None or run["tok_s"] > best["tok_s"]:
-            best = {**run, "token_ids": [o.token_ids for o in outs]}
-    assert best is not None
-    return best
+    """One timed batch (``loras[i]`` for request ``i``)."""
+    wall, outs = asyncio.run(_batch(engine, prompts, loras, args.output_len))
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_s": tokens / wall,
+        "ids": [o.token_ids for o in outs],
+    }
 
 
 def start(model: Path, args: argparse.Namespace, **options: Any) -> Any:
     from actorlm import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(str(model), kv_cache_gb=args.kv_cache_gb, log_level="warning", **options)
-    log(f"engine {'with LoRA ' if options else ''}up in {time.perf_counter() - t0:.1f}s")
+    if args.threads:
+        options = {**options, "num_threads": args.threads}
+    engine = Engine(
+        str(model),
+        kv_cache_gb=args.kv_cache_gb,
+        log_level="warning",
+        # a busy shared machine can starve a process for seconds: not a death
+        peer_timeout_s=30.0,
+        **options,
+    )
+    log(
+        f"engine {'with LoRA ' if 'lora_paths' in options else ''}up in {time.perf_counter() - t0:.1f}s"
+    )
     return engine
 
 
 def run(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """Both engines up at once; each configuration's runs alternate with the base
+    engine's on the same prompts, so each ratio compares runs a few seconds apart (the
+    machine's load drifts over minutes). Reported: the median over ``--repeats``."""
     from actorlm.gpu.model_info import load_model_info
 
     vocab = load_model_info(model).vocab_size
@@ -120,36 +137,54 @@ def run(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             for i in range(max(args.adapter_counts))
         ]
     log(f"adapters written under {root}")
-    results: dict[str, Any] = {"runs": [], "loads": []}
-    with start(model, args) as base:
-        base_run = timed(base, prompts, [None] * args.batch, args)
-    results["runs"].append({"config": "base model alone", "adapters": 0, "rank": 0, **base_run})
-    log(f"base alone: {base_run['tok_s']:.1f} tok/s")
+    configs: list[tuple[str, int, int, list[str | None]]] = [
+        ("LoRA on, base requests", 0, 0, [None] * args.batch)
+    ]
+    for rank in args.rank_list:
+        for k in (c for c in args.adapter_counts if c):
+            loras: list[str | None] = [f"r{rank}-{i % k}" for i in range(args.batch)]
+            configs.append((f"{k} adapter(s), rank {rank}", k, rank, loras))
     specs = [f"r{rank}-{i}={p}" for rank, paths in adapters.items() for i, p in enumerate(paths)]
-    with start(
+    results: dict[str, Any] = {"runs": [], "loads": []}
+    base_engine = start(model, args)
+    engine = start(
         model,
         args,
         lora_paths=specs,
         max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=max(args.rank_list),
-    ) as engine:
-        lora0 = timed(engine, prompts, [None] * args.batch, args)
-        lora0["agrees_with_base"] = lora0["token_ids"] == base_run["token_ids"]
-        results["runs"].append({"config": "LoRA on, base requests", "adapters": 0, **lora0})
-        for rank in args.rank_list:
-            for k in (c for c in args.adapter_counts if c):
-                loras = [f"r{rank}-{i % k}" for i in range(args.batch)]
+    )
+    try:
+        asyncio.run(_batch(base_engine, prompts, [None] * args.batch, 2))  # warm-up
+        base_all: list[float] = []
+        for name, k, rank, loras in configs:
+            asyncio.run(_batch(engine, prompts, loras, 2))  # warm-up: its adapters into slots
+            pairs = []
+            for _ in range(args.repeats):
+                b = timed(base_engine, prompts, [None] * args.batch, args)
                 r = timed(engine, prompts, loras, args)
-                results["runs"].append(
-                    {"config": f"{k} adapter(s), rank {rank}", "adapters": k, "rank": rank, **r}
-                )
-                log(f"{k} adapters of rank {rank}: {r['tok_s']:.1f} tok/s")
+                pairs.append((b, r))
+            base_all += [b["tok_s"] for b, _ in pairs]
+            row = {
+                "config": name,
+                "adapters": k,
+                "rank": rank,
+                "tok_s": statistics.median(r["tok_s"] for _, r in pairs),
+                "base_tok_s": statistics.median(b["tok_s"] for b, _ in pairs),
+                "vs_base": statistics.median(r["tok_s"] / b["tok_s"] for b, r in pairs),
+                "runs": [{"base": b["tok_s"], "lora": r["tok_s"]} for b, r in pairs],
+            }
+            if k == 0:
+                row["same_tokens_as_base"] = pairs[0][1]["ids"] == pairs[0][0]["ids"]
+            results["runs"].append(row)
+            log(f"{name}: {row['tok_s']:.1f} tok/s, {row['vs_base']:.2f} of base")
+        results["base_tok_s"] = statistics.median(base_all)
         for rank in args.rank_list:
             results["loads"].append(load_times(engine, adapters[rank][0], rank, prompts[0]))
         results["lora_stats"] = engine.stats()["lora_loader"]
-    for r in results["runs"]:
-        r["vs_base"] = r["tok_s"] / base_run["tok_s"]
-        r.pop("token_ids", None)
+    finally:
+        engine.close()
+        base_engine.close()
     return results
 
 
@@ -184,16 +219,21 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         f"LoRA throughput, {results['model']}, batch {args.batch} x ({args.input_len} in, "
         f"{args.output_len} out), greedy; targets {','.join(args.target_list)}; "
-        f"{args.max_loras_per_batch} slots; best of {args.repeats}",
-        f"CPU: {m.get('cpu_model', '?')}; torch {m.get('torch')}; {results['date']}",
+        f"{args.max_loras_per_batch} slots; median of {args.repeats} rounds, each against "
+        "a base-alone run beside it",
+        f"CPU: {m.get('cpu_model', '?')} ({m.get('cores')} cores, load {m.get('load')}); "
+        f"worker threads {args.threads or 'all'}; torch {m.get('torch')}; {results['date']}",
         "",
-        "| configuration | distinct adapters | rank | output tok/s | vs base alone |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| configuration | distinct adapters | rank | output tok/s | base alone, same rounds "
+        "| vs base alone |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| base model alone (no LoRA) | - | - | {results['base_tok_s']:.1f} | | 1.00 |",
     ]
     for r in results["runs"]:
         rank = r.get("rank") or "-"
         lines.append(
-            f"| {r['config']} | {r['adapters']} | {rank} | {r['tok_s']:.1f} | {r['vs_base']:.2f} |"
+            f"| {r['config']} | {r['adapters']} | {rank} | {r['tok_s']:.1f} | "
+            f"{r['base_tok_s']:.1f} | {r['vs_base']:.2f} |"
         )
     lines += [
         "",
@@ -231,8 +271,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapters", default="0,1,4,8", help="distinct adapters per batch")
     p.add_argument("--targets", default=",".join(ALL_TARGETS), help="projections adapted")
     p.add_argument("--max-loras-per-batch", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per configuration")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads in each worker (0: all cores; 1 keeps a shared machine's "
+        "oversubscribed OpenMP barriers out of the numbers)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--adapter-dir", default="bench/results/lora-adapters", help="where adapters are written"
@@ -264,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model.name,
         command=" ".join(sys.argv),
         date=dt.datetime.now().isoformat(timespec="seconds"),
-        machine=machine(),
+        machine={**machine(), "cores": os.cpu_count(), "load": os.getloadavg()[0]},
         args={k: v for k, v in vars(args).items() if isinstance(v, int | float | str | list)},
     )
     table = markdown(results, args)

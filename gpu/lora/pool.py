@@ -162,24 +162,27 @@ class LoraMemoryPool:
         checked = [self._check(m, a, b) for m, a, b in targets]
         if first:
             self.slot_ids[slot] = None  # before any weight changes: no new step finds it
-            for m in LORA_MODULES:  # what the last adapter left: batched paths read it
-                old = self.ranks[m][slot]
-                if old:
-                    zero = self.a[m][:, :old, slot] if self.rank_major else self.a[m][:, slot]
-                    zero.zero_()
-                    (self.b[m][:, :old, slot] if self.rank_major else self.b[m][:, slot]).zero_()
+            for m in LORA_MODULES:  # what the last adapter left: the batched path reads it
+                if self.ranks[m][slot]:
+                    a_old, b_old = self._slot(m, slot, self.ranks[m][slot])
+                    a_old.zero_()
+                    b_old.zero_()
                 self._set_rank(m, slot, 0)
         for m, a, b in checked:
             r = a.shape[1]
-            if self.rank_major:
-                self.a[m][:, :r, slot].copy_(a)  # [L, r, in]
-                self.b[m][:, :r, slot].copy_(b.transpose(1, 2))  # [L, out, r] → [L, r, out]
-            else:
-                self.a[m][:, slot, :r].copy_(a)
-                self.b[m][:, slot, :, :r].copy_(b)
+            a_new, b_new = self._slot(m, slot, r)
+            a_new.copy_(a)
+            b_new.copy_(b if not self.rank_major else b.transpose(1, 2))
             self._set_rank(m, slot, r)
         if last:
             self.slot_ids[slot] = lora_id
+
+    def _slot(self, m: str, slot: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``slot``'s first ``r`` ranks: ``a`` [L, r, in]; ``b`` [L, r, out]
+        rank-major, else [L, out, r]."""
+        if self.rank_major:
+            return self.a[m][:, :r, slot], self.b[m][:, :r, slot]
+        return self.a[m][:, slot, :r], self.b[m][:, slot, :, :r]
 
     def _check(
         self, m: str, a: np.ndarray, b: np.ndarray
