@@ -230,3 +230,23 @@ def test_the_loader_killed_mid_load(
     assert info["stats"]["lora_loader"]["adapter_refs"] == 0
     assert info["stats"]["scheduler"]["lora_requests"] == 0
     assert info["stats"]["cache_manager"]["consistent"]
+
+
+def test_a_restarted_worker_gets_its_adapters_back(server: LoraServer) -> None:
+    """The worker killed while an adapter's request streams: that request fails at once,
+    the restarted worker's slots fill again on demand, and every adapter gives the same
+    tokens as before (no slot serves another adapter's weights, no KV of the dead pool)."""
+    before = {name: server.complete(name)[1]["choices"][0]["text"] for name in ("sql", "chat")}
+    pids = role_pids(server.proc.pid)
+    stream = Stream(server.url, model="sql", max_tokens=600)
+    stream.start()
+    assert stream.first.wait(30)
+    os.kill(pids["worker"], signal.SIGKILL)
+    killed = time.monotonic()
+    stream.join(30)
+    assert stream.failed_cleanly and stream.ended - killed < 2.0, stream.events[-2:]
+    server.wait_healthy()
+    assert role_pids(server.proc.pid)["worker"] != pids["worker"]
+    for name, text in before.items():
+        status, out = server.complete(name)
+        assert status == 200 and out["choices"][0]["text"] == text, (name, out)
