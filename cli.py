@@ -88,6 +88,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                     metavar=f.name.upper(),
                     help=text,
                 )
+            elif f.default_factory is list:  # a list of strings: --lora-paths a=/x b=/y
+                group.add_argument(
+                    *flags,
+                    dest=f.name,
+                    nargs="+",
+                    default=None,
+                    metavar=f.name.upper(),
+                    help=text,
+                )
     extra = parser.add_argument_group("plugins and logging")
     extra.add_argument(
         "--plugin-config",
@@ -129,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     actor = sub.add_parser("actor", help="run one actor alone (disaggregated deployment)")
     actor.add_argument(
-        "role", help="tokenizer | scheduler | cache_manager | worker | gateway, or module:Class"
+        "role",
+        help="tokenizer | scheduler | cache_manager | worker | lora_loader | gateway, "
+        "or module:Class",
     )
     actor.add_argument("--deploy", help="TOML deployment file naming every actor's address")
     actor.add_argument("--bind", help="address this actor binds (ipc:// or tcp://)")

@@ -9,11 +9,13 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "DEFAULT_MAX_LORA_RANK",
     "DEFAULT_MAX_PREFILL_TOKENS",
     "CacheConfig",
     "DeployConfig",
     "EngineConfig",
     "GrammarConfig",
+    "LoraConfig",
     "ModelConfig",
     "SchedulerConfig",
     "ServerConfig",
@@ -22,6 +24,8 @@ __all__ = [
 
 # The per-step prefill budget where neither the user nor a platform chose one.
 DEFAULT_MAX_PREFILL_TOKENS = 2048
+# The LoRA slots' rank when neither --max-lora-rank nor the adapters of --lora-paths set it.
+DEFAULT_MAX_LORA_RANK = 64
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +80,23 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     hicache_storage_dir: str = ""
 
 
+class LoraConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """LoRA adapters on the base model (the lora_loader actor runs when enabled)."""
+
+    enable_lora: bool = False  # serve adapters (implied by lora_paths); loaded later by API
+    # Adapters loaded at start: "name=path", "name=path:pinned" (kept in a slot), or a
+    # bare path (named after its folder).
+    lora_paths: list[str] = []
+    max_loras_per_batch: int = 8  # worker slots: distinct adapters one batch can mix
+    max_loaded_loras: int = 0  # adapters the loader holds in host memory; 0 = no limit
+    max_lora_rank: int = 0  # the slots' rank; 0 = the largest of lora_paths, else 64
+    lora_eviction_policy: str = "lru"  # which slot an adapter that needs one takes
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 30000
@@ -128,6 +149,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig = ModelConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    lora: LoraConfig = LoraConfig()
     server: ServerConfig = ServerConfig()
     grammar: GrammarConfig = GrammarConfig()
     deploy: DeployConfig = DeployConfig()

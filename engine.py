@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from .actors.client import PIPELINE_ROLES, ClientActor, EngineClient, RequestFailed
+from .actors.client import ClientActor, EngineClient, RequestFailed, pipeline_roles
 from .actors.runtime import ActorError, ActorRuntime, RuntimeOptions
 from .actors.runtime.supervisor import Launcher
 from .config import EngineConfig
 from .launch import config_from_options, load_deployment, resolve_config
-from .messages.errors import ErrorCode
+from .messages.errors import ErrorCode, code_for_status
 from .messages.generate import ChatMessage, GenerateRequest, TextDelta, TokenLogprob, Usage
 from .messages.sampling import SamplingParams, check_sampling
 
@@ -98,7 +98,8 @@ class Engine:
     async def _start(self, timeout: float) -> None:
         actor = ClientActor(self.config)
         if self._deployment is None:
-            self._launcher = Launcher(self.config, list(PIPELINE_ROLES), placement=self.placement)
+            roles = list(pipeline_roles(self.config))
+            self._launcher = Launcher(self.config, roles, placement=self.placement)
             await self._launcher.start(timeout)
             address = self._launcher.new_address(actor.role)
             transport = self._launcher.transport
@@ -130,7 +131,7 @@ class Engine:
         assert self._runtime is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        for role in PIPELINE_ROLES:
+        for role in pipeline_roles(self.config):
             while True:
                 try:
                     await self._runtime.request(role, Ping(), timeout=1.0)
@@ -174,6 +175,9 @@ class Engine:
 
     # -- generation -------------------------------------------------------------
     def _request(self, prompt: Prompt, sampling: SamplingParams, **kw: Any) -> GenerateRequest:
+        lora = kw.pop("lora", None)
+        if lora is not None:  # the adapter's name, as /generate's lora_path
+            kw["lora_path"] = lora
         try:
             check_sampling(
                 sampling, self.vocab_size
@@ -226,7 +230,9 @@ class Engine:
     ) -> Any:
         """Text, token ids or chat messages in; a GenerateOutput (or a list, for a list
         of prompts, run concurrently) out. A plain string is used as is; pass chat
-        messages (``[{"role": "user", "content": ...}]``) for the chat template."""
+        messages (``[{"role": "user", "content": ...}]``) for the chat template.
+        ``lora="name"`` runs it with that LoRA adapter (loaded at start with
+        ``lora_paths=[...]`` or with ``load_lora_adapter``)."""
         sampling = _sampling(sampling_params)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             reqs = [self._request(p, sampling, **kw) for p in prompt]  # type: ignore[arg-type]
@@ -286,6 +292,26 @@ class Engine:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return self._call(self.client.stats())
+
+    # -- LoRA adapters ------------------------------------------------------------
+    def _lora_call(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return self._call(coro)
+        except ActorError as exc:
+            raise RequestFailed(str(exc), code_for_status(exc.status)) from None
+
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, Any]:
+        """Serve the PEFT adapter at ``path`` as ``name`` (RequestFailed, status 4xx,
+        saying what is wrong when it cannot be); its description."""
+        info = self._lora_call(self.client.load_lora(name, path, pinned))
+        return msgspec.to_builtins(info)  # type: ignore[no-any-return]
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Stop serving ``name``; returns once the requests using it have finished."""
+        return msgspec.to_builtins(self._lora_call(self.client.unload_lora(name)))  # type: ignore[no-any-return]
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        return [msgspec.to_builtins(a) for a in self._lora_call(self.client.lora_adapters())]
 
     def flush_cache(self) -> bool:
         return self._call(self.client.flush_cache())

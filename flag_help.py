@@ -12,6 +12,7 @@ GROUP_TITLES = {
     "cache": "cache",
     "server": "HTTP and request limits",
     "grammar": "structured output and reasoning",
+    "lora": "LoRA adapters",
     "deploy": "deployment and liveness",
 }
 
@@ -83,4 +84,11 @@ FLAG_HELP: dict[str, str] = {
     "grammar_cache_entries": "compiled constraints kept (LRU), keyed by constraint",
     "grammar_any_whitespace": "JSON constraints allow any whitespace (off: compact JSON)",
     "reasoning_parser": "split thinking into reasoning_content: deepseek-r1, qwen3, ... (empty: off)",
+    # LoRA adapters
+    "enable_lora": "serve LoRA adapters (loaded later through the API; implied by --lora-paths)",
+    "lora_paths": "adapters to load at start: NAME=PATH, NAME=PATH:pinned or PATH",
+    "max_loras_per_batch": "worker slots: distinct adapters one batch can mix",
+    "max_loaded_loras": "adapters the loader keeps in host memory (0: no limit)",
+    "max_lora_rank": "the slots' rank (0: the largest of --lora-paths, else 64)",
+    "lora_eviction_policy": "which slot an adapter that needs one takes: lru, lfu, fifo, a plugin's",
 }

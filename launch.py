@@ -22,6 +22,7 @@ same fields as the CLI flags.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,12 @@ from typing import Any
 import msgspec
 
 from .config import (
+    DEFAULT_MAX_LORA_RANK,
     CacheConfig,
     DeployConfig,
     EngineConfig,
     GrammarConfig,
+    LoraConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -64,6 +67,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig,
     "scheduler": SchedulerConfig,
     "cache": CacheConfig,
+    "lora": LoraConfig,
     "server": ServerConfig,
     "grammar": GrammarConfig,
     "deploy": DeployConfig,
@@ -169,6 +173,62 @@ def _validate_grammar(config: EngineConfig) -> None:
             "--grammar-compile-timeout must be > 0 and --grammar-compile-threads >= 1"
         )
 
+    _validate_lora(config.lora)
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    import actorlm.actors.lora_loader.eviction  # noqa: F401  (registers the built-ins)
+
+    from .actors.lora_loader.registry import parse_lora_spec
+    from .extensions.points import LORA_EVICTION_POLICIES
+
+    if lora.lora_eviction_policy not in LORA_EVICTION_POLICIES:
+        known = ", ".join(LORA_EVICTION_POLICIES.names())
+        raise ConfigError(
+            f"unknown LoRA eviction policy {lora.lora_eviction_policy!r} "
+            f"(--lora-eviction-policy); known: {known}"
+        )
+    for name, value in (
+        ("max_loras_per_batch", lora.max_loras_per_batch),
+        ("max_loaded_loras", lora.max_loaded_loras),
+        ("max_lora_rank", lora.max_lora_rank),
+    ):
+        if value < (1 if name == "max_loras_per_batch" else 0):
+            raise ConfigError(f"--{name.replace('_', '-')} {value} is out of range")
+    if lora.max_loaded_loras and len(lora.lora_paths) > lora.max_loaded_loras:
+        raise ConfigError(
+            f"--lora-paths names {len(lora.lora_paths)} adapters, more than "
+            f"--max-loaded-loras {lora.max_loaded_loras}"
+        )
+    names = set()
+    for spec in lora.lora_paths:
+        try:
+            name, path, _ = parse_lora_spec(spec)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if name in names:
+            raise ConfigError(f"--lora-paths names the adapter {name!r} twice")
+        names.add(name)
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ConfigError(f"--lora-paths {spec}: {path} holds no adapter_config.json")
+
+
+def _lora_rank(lora: LoraConfig) -> int:
+    """--max-lora-rank, else the largest rank (r, or in rank_pattern) of --lora-paths."""
+    from .actors.lora_loader.registry import parse_lora_spec
+
+    if lora.max_lora_rank:
+        return lora.max_lora_rank
+    ranks = []
+    for spec in lora.lora_paths:
+        path = Path(parse_lora_spec(spec)[1]) / "adapter_config.json"
+        try:
+            cfg = json.loads(path.read_text())
+            ranks += [int(cfg.get("r") or 0), *map(int, (cfg.get("rank_pattern") or {}).values())]
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"--lora-paths {spec}: cannot read {path}: {exc}") from None
+    return max(ranks, default=0) or DEFAULT_MAX_LORA_RANK
+
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Fill platform defaults, then model path, context length, KV page count and
@@ -203,6 +263,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         info, platform.kv_cache_bytes(m, info), m.page_size, m.dtype
     )
     name = m.served_model_name or Path(path).name.removesuffix(".gguf")
+    if config.lora.enabled:
+        lora = msgspec.structs.replace(config.lora, max_lora_rank=_lora_rank(config.lora))
+        config = msgspec.structs.replace(config, lora=lora)
     model = msgspec.structs.replace(
         m,
         path=str(Path(path).resolve()),

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import time
 
-from .actors.client import PIPELINE_ROLES
+from .actors.client import pipeline_roles
 from .actors.runtime import ActorRuntime, RuntimeOptions
 from .actors.runtime.process import event_loop_runner, setup_logging
 from .actors.runtime.supervisor import Launcher
@@ -52,7 +52,7 @@ async def serve_async(
         return await _gateway_alone(config, deployment, stop)
     url = f"http://{config.server.host}:{config.server.port}"
     say(f"actorlm: loading {config.model.path} (health at {url}/health answers 503 until ready)")
-    launcher = Launcher(config, ["gateway", *PIPELINE_ROLES])
+    launcher = Launcher(config, ["gateway", *pipeline_roles(config)])
     started = time.monotonic()
     total = len(launcher.members)
 

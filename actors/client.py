@@ -21,11 +21,31 @@ from ..messages.control import ErrorReply, FlushCache, GetInfo, GetStats, Info, 
 from ..messages.envelope import Envelope
 from ..messages.errors import HTTP_STATUS, ErrorCode, code_for_status
 from ..messages.generate import AbortRequest, GenerateRequest, TextBatch, TextDelta
+from ..messages.lora import (
+    ListLoraAdapters,
+    LoadLoraAdapter,
+    LoraAdapterInfo,
+    LoraAdapterList,
+    UnloadLoraAdapter,
+)
 from .runtime import Actor, ActorError, handles
 
-__all__ = ["PIPELINE_ROLES", "ClientActor", "EngineClient", "RequestFailed"]
+__all__ = [
+    "LORA_ROLE",
+    "PIPELINE_ROLES",
+    "ClientActor",
+    "EngineClient",
+    "RequestFailed",
+    "pipeline_roles",
+]
 
 PIPELINE_ROLES = ("tokenizer", "scheduler", "cache_manager", "worker")
+LORA_ROLE = "lora_loader"
+
+
+def pipeline_roles(config: EngineConfig) -> tuple[str, ...]:
+    """The actors ``config`` runs: the pipeline, and the lora_loader when LoRA is on."""
+    return (*PIPELINE_ROLES, LORA_ROLE) if config.lora.enabled else PIPELINE_ROLES
 
 
 class RequestFailed(Exception):
@@ -150,8 +170,41 @@ class EngineClient:
                 return role, {"error": str(exc)}
             return role, dict(reply.values) if isinstance(reply, Stats) else {}
 
-        pairs = await asyncio.gather(*(one(r) for r in PIPELINE_ROLES))
+        pairs = await asyncio.gather(*(one(r) for r in pipeline_roles(self.actor.config)))
         return dict(pairs)
+
+    # -- LoRA adapters (the lora_loader's registry) ---------------------------------
+    def _lora(self) -> None:
+        if not self.actor.config.lora.enabled:
+            raise ActorError(
+                "LoRA is not enabled on this server; start it with --enable-lora or --lora-paths",
+                code="lora_disabled",
+                status=400,
+            )
+
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> LoraAdapterInfo:
+        """Register the PEFT adapter at ``path`` as ``name`` (ActorError with a 4xx
+        status when it cannot be served)."""
+        self._lora()
+        msg = LoadLoraAdapter(lora_name=name, lora_path=path, pinned=pinned)
+        reply = await self.actor.request(LORA_ROLE, msg)
+        assert isinstance(reply, LoraAdapterInfo)
+        return reply
+
+    async def unload_lora(self, name: str) -> LoraAdapterInfo:
+        """Unload ``name``; returns once no request uses it any more."""
+        self._lora()
+        reply = await self.actor.request(LORA_ROLE, UnloadLoraAdapter(lora_name=name))
+        assert isinstance(reply, LoraAdapterInfo)
+        return reply
+
+    async def lora_adapters(self) -> list[LoraAdapterInfo]:
+        """The adapters requests can name now (none when LoRA is off)."""
+        if not self.actor.config.lora.enabled:
+            return []
+        reply = await self.actor.request(LORA_ROLE, ListLoraAdapters(), timeout=10)
+        assert isinstance(reply, LoraAdapterList)
+        return [a for a in reply.adapters if not a.unloading]
 
     async def info(self, role: str = "worker") -> dict[str, Any]:
         reply = await self.actor.request(role, GetInfo(), timeout=10)

@@ -12,7 +12,7 @@ implement; a plugin's entry that does not is refused when it is registered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .registry import Registry, get_registry
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the interfaces, for type checkers; at run time they load by
 
     from ..actors.cache.eviction import EvictionStrategy
     from ..actors.cache.hicache import HiCacheStorage
+    from ..actors.lora_loader.eviction import EvictionPolicy
     from ..actors.tokenizer.reasoning import ReasoningFormat
     from ..gpu.attention.base import AttentionBackend
     from ..gpu.grammar.base import BaseGrammarBackend
@@ -76,10 +77,11 @@ HICACHE_STORAGE: Registry[type[HiCacheStorage]] = get_registry(
     "--hicache-storage-backend",
     interface="actorlm.actors.cache.hicache:HiCacheStorage",
 )
-# Declared for plugins to fill, but no part of the engine reads it yet: no flag selects
-# from it until the LoRA loader lands.
-LORA_EVICTION_POLICIES: Registry[Any] = get_registry(
-    "LoRA eviction policy", unused="the LoRA loader is not built yet"
+# Which worker slot an adapter that needs one takes (in the lora_loader).
+LORA_EVICTION_POLICIES: Registry[type[EvictionPolicy]] = get_registry(
+    "LoRA eviction policy",
+    "--lora-eviction-policy",
+    interface="actorlm.actors.lora_loader.eviction:EvictionPolicy",
 )
 LOGIT_PROCESSORS: Registry[type[LogitProcessor]] = get_registry(
     "logit processor",
@@ -105,6 +107,7 @@ BUILTIN_MODULES = (
     "actorlm.actors.cache.eviction",
     "actorlm.actors.cache.hicache",
     "actorlm.actors.tokenizer.reasoning",
+    "actorlm.actors.lora_loader.eviction",
     "actorlm.actors.roles",
 )
 

@@ -18,7 +18,7 @@ import time
 
 from aiohttp import web
 
-from ..actors.client import PIPELINE_ROLES, ClientActor, EngineClient
+from ..actors.client import ClientActor, EngineClient, pipeline_roles
 from ..actors.runtime import ActorError
 from ..config import EngineConfig
 from ..messages.generate import TextDelta
@@ -68,7 +68,8 @@ class GatewayActor(ClientActor):
     async def _until_ready(self) -> None:
         """Ready once every pipeline actor has been heard from; say which we wait for."""
         started, told = time.monotonic(), 0.0
-        while missing := [r for r in PIPELINE_ROLES if r not in self.runtime.peers.up]:
+        roles = pipeline_roles(self.config)
+        while missing := [r for r in roles if r not in self.runtime.peers.up]:
             now = time.monotonic()
             if now - told > 10:
                 say(f"actorlm: waiting for {', '.join(missing)}")
@@ -104,7 +105,7 @@ class GatewayActor(ClientActor):
 
     async def on_peer_down(self, role: str, reason: str) -> None:
         await super().on_peer_down(role, reason)
-        if role in PIPELINE_ROLES:
+        if role in pipeline_roles(self.config):
             self.state.metrics.actor_downs.labels(role=role).inc()
             self._down.add(role)
 

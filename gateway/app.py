@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from . import native, openai, openapi
+from . import lora, native, openai, openapi
 from .errors import ApiError, error_response
 from .metrics import CONTENT_TYPE_LATEST
 from .state import STATE, GatewayState
@@ -133,6 +133,7 @@ def build_app(state: GatewayState) -> web.Application:
     app[STATE] = state
     app.add_routes(openai.routes())
     app.add_routes(native.routes())
+    app.add_routes(lora.routes())
     app.add_routes(openapi.routes())
     app.add_routes([web.get("/metrics", metrics)])
     return app

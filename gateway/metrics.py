@@ -97,6 +97,20 @@ class GatewayMetrics:
             "actorlm_prefix_cache_hit_rate", "Prefix cache hit rate", registry=r
         )
         self.ready = Gauge("actorlm_ready", "1 when every actor is ready", registry=r)
+        # The lora_loader's counts (read from its stats, like the gauges above).
+        self.lora = {
+            key: Gauge(f"actorlm_lora_{key}", doc, registry=r)
+            for key, doc in (
+                ("adapters_loaded", "LoRA adapters requests can name"),
+                ("slots_used", "Worker LoRA slots holding an adapter"),
+                ("slot_hits", "Requests whose adapter was in a worker slot already"),
+                ("slot_misses", "Requests whose adapter had to be loaded into a slot"),
+                ("slot_loads", "Adapters loaded into a worker slot"),
+                ("slot_evictions", "Adapters evicted from a worker slot for another"),
+                ("adapter_loads", "Adapters read from disk and registered"),
+                ("adapter_unloads", "Adapters unloaded"),
+            )
+        }
 
     def trace(self) -> RequestTrace:
         return RequestTrace(self)
@@ -115,6 +129,11 @@ class GatewayMetrics:
             (self.prefix_hit_rate, cache, "prefix_hit_rate"),
         ):
             value = _number(source.get(key))
+            if value is not None:
+                gauge.set(value)
+        lora = stats.get("lora_loader", {})
+        for key, gauge in self.lora.items():
+            value = _number(lora.get(key))
             if value is not None:
                 gauge.set(value)
         used, total = _number(cache.get("pages_used")), _number(cache.get("pages_total"))

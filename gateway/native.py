@@ -49,8 +49,9 @@ def parse_generate(body: Any, state: GatewayState) -> NativeJob:
     )
     if "input_ids" in prompt and not prompt["input_ids"]:
         raise ApiError(400, "'input_ids' must not be empty", param="input_ids")
-    if f.str("lora_path"):
-        raise ApiError(501, "LoRA not supported yet", code="not_implemented", param="lora_path")
+    lora = state.adapter_for(f.str("lora_path"), param="lora_path")
+    if lora is not None:
+        prompt["lora_path"] = lora
     rid = f.str("rid") or uuid.uuid4().hex
     return_logprob = bool(f.bool("return_logprob", False))
     top = f.int("top_logprobs_num", 0) or 0
@@ -242,10 +243,6 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def lora_not_supported(request: web.Request) -> web.Response:
-    raise ApiError(501, "LoRA not supported yet", code="not_implemented")
-
-
 def _version() -> str:
     try:
         return importlib.metadata.version("actorlm")
@@ -267,6 +264,4 @@ def routes() -> list[web.RouteDef]:
         web.get("/get_server_info", get_server_info),
         web.get("/health", health),
         web.get("/health_generate", health_generate),
-        web.post("/load_lora_adapter", lora_not_supported),
-        web.post("/unload_lora_adapter", lora_not_supported),
     ]

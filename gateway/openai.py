@@ -16,6 +16,7 @@ from aiohttp import web
 
 from ..messages.generate import TextDelta, TokenLogprob, Usage
 from .body import read_json
+from .lora import adapter_cards
 from .openai_parse import Job, parse_chat, parse_completion
 from .state import STATE, GatewayState
 from .streams import SseWriter, delta_error
@@ -254,12 +255,16 @@ async def list_models(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": state.limits.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response({"object": "list", "data": [card, *await adapter_cards(state)]})
 
 
 async def model_card(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
+    if name not in state.aliases:
+        for card in await adapter_cards(state):
+            if card["id"] == name:
+                return web.json_response(card)
     state.check_model(name)
     return web.json_response(
         {"id": state.model_name, "object": "model", "created": 0, "owned_by": "actorlm"}

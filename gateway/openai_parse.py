@@ -47,10 +47,11 @@ class Job:
     tools: ToolPlan | None = None  # outputs become tool calls (required, named, auto)
     reasoning: bool = False  # outputs carry reasoning_content (--reasoning-parser)
     warnings: list[str] = field(default_factory=list)  # told to the client in the response
+    lora_path: str | None = None  # the LoRA adapter ``model`` named (None: the base model)
 
 
 def _common(f: Fields, state: GatewayState, kind: str, prefix: str) -> Job:
-    state.check_model(f.str("model"))
+    lora = state.adapter_for(f.str("model"))
     f.str("user")  # accepted for compatibility; only its type is checked
     n = f.int("n", 1)
     if n is None or n < 1:
@@ -63,12 +64,19 @@ def _common(f: Fields, state: GatewayState, kind: str, prefix: str) -> Job:
     return Job(
         kind=kind,
         id=f"{prefix}-{uuid.uuid4().hex}",
-        model=state.model_name,
+        model=lora or state.model_name,
         n=n,
         stream=stream,
         include_usage=include_usage,
         logprobs=False,
+        lora_path=lora,
     )
+
+
+def _with_adapter(job: Job) -> list[GenerateRequest]:
+    if job.lora_path is None:
+        return job.reqs
+    return [msgspec.structs.replace(r, lora_path=job.lora_path) for r in job.reqs]
 
 
 def _max_tokens(f: Fields, keys: tuple[str, ...], default: int, limits: ModelLimits) -> int:
@@ -130,6 +138,7 @@ def parse_completion(body: Any, state: GatewayState) -> Job:
     sampling = msgspec.structs.replace(sampling, **response_format(f))
     sampling = checked_sampling(sampling, state.limits)
     job.reqs = fan_out(job.id, sampling, prompts, job.n, limit=state.config.server.max_n)
+    job.reqs = _with_adapter(job)
     return job
 
 
@@ -260,4 +269,5 @@ def parse_chat(body: Any, state: GatewayState) -> Job:
     sampling = msgspec.structs.replace(sampling, **constraint)
     sampling = checked_sampling(sampling, state.limits)
     job.reqs = fan_out(job.id, sampling, [prompt], job.n, limit=state.config.server.max_n)
+    job.reqs = _with_adapter(job)
     return job

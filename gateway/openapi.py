@@ -185,19 +185,38 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
             "input_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
             "rid": {"type": "string"},
             "sampling_params": native_sampling,
+            "lora_path": {"type": "string", "description": "a LoRA adapter's name"},
             "stream": {"type": "boolean"},
             "return_logprob": {"type": "boolean"},
             "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": 20},
         },
     }
     abort = {"type": "object", "properties": {"rid": {"type": "string"}}}
+    load = {
+        "type": "object",
+        "required": ["lora_name", "lora_path"],
+        "properties": {
+            "lora_name": {"type": "string"},
+            "lora_path": {"type": "string"},
+            "pinned": {"type": "boolean"},
+        },
+    }
+    unload = {"type": "object", "required": ["lora_name"], "properties": load["properties"]}
+    lora = {
+        f"{prefix}/{verb}_lora_adapter": _post(summary, schema, "done")
+        for prefix in ("", "/v1")
+        for verb, summary, schema in (
+            ("load", "serve a PEFT LoRA adapter under a name", load),
+            ("unload", "stop serving an adapter (after the requests using it)", unload),
+        )
+    }
     return {
         "openapi": "3.0.3",
         "info": {"title": f"actorlm serving {model}", "version": version or "0"},
         "paths": {
             "/v1/completions": _post("OpenAI text completions", completion, "a completion"),
             "/v1/chat/completions": _post("OpenAI chat completions", chat, "a chat completion"),
-            "/v1/models": _get("the served model", "a model list"),
+            "/v1/models": _get("the served model and its LoRA adapters", "a model list"),
             "/generate": _post("native generation (SGLang's shape)", generate, "the outputs"),
             "/abort_request": _post("abort a request by id (all without one)", abort, "done"),
             "/flush_cache": {
@@ -210,6 +229,7 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
             "/get_server_info": _get("version, readiness, config, actor stats"),
             "/health": {"get": {"summary": "readiness", "responses": _answers("ok", 503)}},
             "/health_generate": _get("one real token through the pipeline"),
+            **lora,
         },
         "components": {
             "schemas": {

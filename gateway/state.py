@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..actors.client import PIPELINE_ROLES, EngineClient
+from ..actors.client import PIPELINE_ROLES, EngineClient, pipeline_roles
 from ..config import EngineConfig
 from ..messages.generate import GenerateRequest
 from .errors import ApiError
@@ -68,6 +68,26 @@ class GatewayState:
                 param="model",
             )
 
+    def adapter_for(self, name: str | None, param: str = "model") -> str | None:
+        """The LoRA adapter a request's ``model`` (or ``lora_path``) names: None for the
+        base model (absent, or one of its names). With LoRA on, any other name goes to
+        the lora_loader, which answers 404 for one it does not hold."""
+        if name is None or (param == "model" and name in self.aliases):
+            return None
+        if not name and param == "lora_path":
+            return None
+        if self.config.lora.enabled:
+            return name
+        if param == "model":
+            self.check_model(name)
+        raise ApiError(
+            404,
+            f"no LoRA adapter named {name!r}: this server serves none (start it with "
+            "--enable-lora or --lora-paths)",
+            code="model_not_found",
+            param=param,
+        )
+
     def engine(self) -> EngineClient:
         """The client, or 503 while loading, after a failed start or while shutting down."""
         if self.draining:
@@ -80,8 +100,8 @@ class GatewayState:
         if self.client is None or not self.ready:
             why = self.startup_error or "the model is still loading"
             raise ApiError(503, why, code="not_ready", headers={"Retry-After": "2"})
-        down = self.down_roles()
-        if down:
+        down = sorted(set(PIPELINE_ROLES) & self.client.actor.runtime.down)
+        if down:  # the lora_loader is not among them: base requests need it not
             raise ApiError(
                 503,
                 f"actor(s) {', '.join(down)} are down; try again shortly",
@@ -91,10 +111,10 @@ class GatewayState:
         return self.client
 
     def down_roles(self) -> list[str]:
-        """The pipeline actors that are down now."""
+        """The pipeline actors (the lora_loader too, when LoRA is on) that are down now."""
         if self.client is None:
             return []
-        return sorted(set(PIPELINE_ROLES) & self.client.actor.runtime.down)
+        return sorted(set(pipeline_roles(self.config)) & self.client.actor.runtime.down)
 
     def fanout(self, reqs: Sequence[GenerateRequest]) -> Fanout:
         """Run ``reqs`` if they fit under ``max_queued_requests`` (else 429). Their places

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -34,6 +35,9 @@ from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .platforms import resolve_dtype
 from .quantization import quantize_model
+
+if TYPE_CHECKING:
+    from .lora.pool import LoraMemoryPool
 
 __all__ = ["ModelRunner"]
 
@@ -135,6 +139,28 @@ class ModelRunner:
             if self.fused
             else f"through the model ({why})",
         )
+        self.lora: LoraMemoryPool | None = None  # adapter slots, once enable_lora ran
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Give the model ``num_slots`` adapter slots of rank ``max_rank`` (on top of the
+        linear method). Decode steps with an adapter then run eagerly: a captured graph
+        (or the fused CPU step, which reads the base weights) has no adapter plan; steps of
+        the base model alone keep the fused step."""
+        from .lora.layers import install_lora
+        from .lora.pool import LoraMemoryPool
+        from .lora.targets import BaseShapes, placements
+
+        shapes = BaseShapes.from_info(self.info)
+        self.lora = LoraMemoryPool(shapes, num_slots, max_rank, self.dtype, self.device)
+        wrapped = install_lora(self.model, self.lora, placements(self.info))
+        self.graphs = None
+        log.info(
+            "LoRA: %d slots of rank %d on %d projections, %.1f MiB",
+            num_slots,
+            max_rank,
+            wrapped,
+            self.lora.nbytes / 2**20,
+        )
 
     def forward(self, batch: ForwardBatch) -> StepResult:
         """One step: results for the sequences with ``sample=True``, in batch order."""
@@ -166,6 +192,9 @@ class ModelRunner:
         if errors:
             failed = {e.rid for e in errors}
             seqs = [s for s in seqs if s.rid not in failed]
+        plan = None
+        if self.lora is not None and batch.lora_ids:
+            seqs, plan = self.lora.plan_step(seqs, batch, errors)
         results = []
         rids = [s.rid for s in seqs if s.sample]
         if seqs:
@@ -176,7 +205,13 @@ class ModelRunner:
                 constrained = [i for i, rid in enumerate(rids) if rid in grammars]
                 if constrained:
                     fill = grammars.fill_async([rids[i] for i in constrained])
-            logits = self.forward_logits(seqs)
+            if self.lora is not None:
+                self.lora.plan = plan
+            try:
+                logits = self.forward_logits(seqs)
+            finally:
+                if self.lora is not None:
+                    self.lora.plan = None
             if rids:
                 masks = None
                 if fill is not None:
@@ -185,6 +220,9 @@ class ModelRunner:
                 self._last.update((r.rid, r.token_id) for r in results)
             if fill is not None:
                 errors += self._advance_grammars(results)
+            if plan is not None:  # grouped by adapter above: back to batch order
+                order = {s.rid: i for i, s in enumerate(batch.seqs)}
+                results.sort(key=lambda r: order[r.rid])
         return StepResult(
             step_id=batch.step_id,
             results=results,
@@ -247,7 +285,8 @@ class ModelRunner:
                 )
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs)
-        if self.fused is not None and self.fused.accepts(seqs):
+        no_adapter = self.lora is None or self.lora.plan is None
+        if self.fused is not None and no_adapter and self.fused.accepts(seqs):
             return self.fused.run(seqs)
         meta = ForwardMeta.build(seqs, self.pool.page_size, "cpu", self.layer_windows, self.softcap)
         if self.device.type != "cpu":

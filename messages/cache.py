@@ -48,6 +48,7 @@ class AdmitOp(msgspec.Struct, frozen=True, array_like=True):
     token_ids: list[int]
     extra_pages: int = 0
     priority: int = 0
+    lora_id: str = ""  # the adapter whose KV this is: prefixes are shared within one only
 
 
 class CacheStep(Message, frozen=True, kw_only=True):

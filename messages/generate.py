@@ -66,6 +66,9 @@ class TokenizedRequest(Message, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []  # the model's, from its tokenizer: stops unless ignore_eos
     priority: int = 0
     lora_path: str | None = None
+    # The adapter's id (messages/lora.py), set by the scheduler once the lora_loader
+    # resolved ``lora_path`` and holds a reference for the request; "" = the base model.
+    lora_id: str = ""
 
 
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -75,6 +75,10 @@ class ForwardBatch(Message, frozen=True, kw_only=True):
     # pages from it (a stored page's id may be reused by a load in the same step).
     store_pages: list[PageIO] = []
     load_pages: list[PageIO] = []
+    # One adapter id per sequence ("" = the base model), or empty when no sequence of
+    # the step uses an adapter. The worker refuses a sequence whose adapter is not in
+    # one of its slots (it never computes with another adapter's weights).
+    lora_ids: list[str] = []
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -7,6 +7,7 @@ import pytest
 
 from tests.models import (
     build_family_model,
+    build_lora_adapter,
     build_tiny_model,
     default_gguf_path,
     smollm2_tokenizer_dir,
@@ -57,3 +58,42 @@ def family_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("llama")
+
+
+# Random PEFT adapters for ``tiny_llama``: ranks, targets and PEFT options that differ.
+LORA_ADAPTERS: dict[str, dict[str, object]] = {
+    "sql": {"r": 4, "alpha": 8, "targets": ("q_proj", "v_proj", "down_proj"), "seed": 1},
+    "chat": {
+        "r": 8,
+        "alpha": 16,
+        "targets": ("k_proj", "o_proj", "gate_proj", "up_proj"),
+        "seed": 2,
+    },
+    "all": {
+        "r": 16,
+        "alpha": 16,
+        "targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "seed": 3,
+        "use_rslora": True,
+        "scale": 0.5,
+    },
+    # another rank for up_proj, and only the second layer adapted
+    "sparse": {
+        "r": 6,
+        "alpha": 12,
+        "targets": ("q_proj", "up_proj"),
+        "seed": 4,
+        "rank_pattern": {"up_proj": 3},
+        "layers_to_transform": [1],
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name → a PEFT adapter folder (saved by ``peft``) for ``tiny_llama``."""
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        name: build_lora_adapter(tiny_llama, root / name, **spec)  # type: ignore[arg-type]
+        for name, spec in LORA_ADAPTERS.items()
+    }

@@ -25,6 +25,7 @@ __all__ = [
     "FAMILIES",
     "Family",
     "build_family_model",
+    "build_lora_adapter",
     "build_tiny_model",
     "default_gguf_path",
     "smollm2_tokenizer_dir",
@@ -308,4 +309,41 @@ def build_family_model(
     model.generation_config.bos_token_id = ids(fam.bos)
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
+
+
+def build_lora_adapter(
+    base: Path,
+    out: Path,
+    *,
+    r: int = 4,
+    alpha: float = 8.0,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    scale: float = 1.0,
+    **config: Any,
+) -> Path:
+    """A random PEFT LoRA adapter for the model at ``base``, saved by ``peft`` at ``out``.
+
+    PEFT starts B at zero (an adapter that changes nothing); here A and B are random
+    (``init_lora_weights=False``), B times ``scale``, so outputs differ from the base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        lora_dropout=0.0,
+        **config,
+    )
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    peft_model.save_pretrained(str(out))
     return out

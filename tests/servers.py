@@ -36,15 +36,17 @@ def get_text(url: str) -> tuple[int, str]:
 class Stream(threading.Thread):
     """A long streaming completion; records when and how it ended."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, **body: Any) -> None:
         super().__init__(daemon=True)
         self.url = url
+        self.body = body  # merged over the default request (a model, max_tokens, ...)
         self.events: list[str] = []
         self.ended = 0.0
         self.first = threading.Event()
 
     def run(self) -> None:
         body = {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        body.update(self.body)
         req = urllib.request.Request(
             f"{self.url}/v1/completions",
             data=json.dumps(body).encode(),

@@ -27,6 +27,11 @@ PURE_CORES = {
     "actorlm.actors.cache.hicache",
     "actorlm.actors.cache.kv_cache",
     "actorlm.actors.cache.radix",
+    "actorlm.actors.lora_loader.eviction",
+    "actorlm.actors.lora_loader.peft",
+    "actorlm.actors.lora_loader.registry",
+    "actorlm.actors.lora_loader.slots",
+    "actorlm.actors.scheduler.adapters",
     "actorlm.actors.tokenizer.detokenize",
     "actorlm.actors.tokenizer.tokenization",
 }

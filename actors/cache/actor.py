@@ -112,7 +112,8 @@ class CacheManagerActor(Actor):
         for op in msg.finishes:
             if op.rid in kv:
                 if op.cache and self.storage is not None:
-                    stores += self._to_store(op.token_ids, kv.page_table(op.rid))
+                    ns = kv.namespace_of(op.rid)
+                    stores += self._to_store(op.token_ids, kv.page_table(op.rid), ns)
                 kv.finish(op.rid, op.token_ids, op.cache)
         for rid in msg.releases:
             kv.release(rid)
@@ -121,7 +122,8 @@ class CacheManagerActor(Actor):
             if commit.rid in kv:
                 committed[commit.rid] = table = kv.cache_prefix(commit.rid, commit.token_ids)
                 if self.storage is not None:
-                    stores += self._to_store(commit.token_ids, table)
+                    ns = kv.namespace_of(commit.rid)
+                    stores += self._to_store(commit.token_ids, table, ns)
         extended: dict[str, list[int]] = {}
         for ext in msg.extends:
             if ext.rid in kv:
@@ -131,22 +133,27 @@ class CacheManagerActor(Actor):
         admits = list(msg.admits)
         if msg.longest_prefix_first and len(admits) > 1:
             lengths = {
-                a.rid: kv.tree.match_prefix(a.token_ids, touch=False).num_tokens for a in admits
+                a.rid: kv.tree.match_prefix(
+                    a.token_ids, touch=False, namespace=a.lora_id
+                ).num_tokens
+                for a in admits
             }
             admits.sort(key=lambda a: -lengths[a.rid])  # stable: ties keep queue order
         admitted: list[Admitted] = []
         loads: list[PageIO] = []
         for op in admits:
-            if kv.waits_for(op.token_ids) is not None:
+            if kv.waits_for(op.token_ids, op.lora_id) is not None:
                 # a running request is computing the prefix this prompt shares: admit it
                 # once that prefix is cached instead of computing it twice
                 self.prefix_waits += 1
                 continue
-            got = kv.admit(op.rid, op.token_ids, op.extra_pages, priority=op.priority)
+            got = kv.admit(
+                op.rid, op.token_ids, op.extra_pages, priority=op.priority, namespace=op.lora_id
+            )
             if got is None:
                 break
             if self.storage is not None:
-                got = self._load_from_storage(op.token_ids, got, loads)
+                got = self._load_from_storage(op.token_ids, got, loads, op.lora_id)
             admitted.append(Admitted(op.rid, got.cached_len, got.page_ids))
         return CacheStepResult(
             admitted=admitted,
@@ -158,19 +165,23 @@ class CacheManagerActor(Actor):
             load_pages=loads,
         )
 
-    def _to_store(self, token_ids: list[int], table: list[int]) -> list[PageIO]:
-        keys = page_keys(self.model_id, token_ids, self.kv.page_size)
+    def _model_id(self, namespace: str) -> str:
+        """Storage keys cover what the KV bytes depend on: the adapter too."""
+        return f"{self.model_id}\0lora:{namespace}" if namespace else self.model_id
+
+    def _to_store(self, token_ids: list[int], table: list[int], namespace: str) -> list[PageIO]:
+        keys = page_keys(self._model_id(namespace), token_ids, self.kv.page_size)
         out = [PageIO(k, p) for k, p in zip(keys, table, strict=False) if k not in self._stored]
         self._stored.update(io.key for io in out)
         return out
 
     def _load_from_storage(
-        self, token_ids: list[int], got: Admission, loads: list[PageIO]
+        self, token_ids: list[int], got: Admission, loads: list[PageIO], namespace: str
     ) -> Admission:
         """Extend a tree hit with the pages storage holds next (never the last token)."""
         assert self.storage is not None
         ps = self.kv.page_size
-        keys = page_keys(self.model_id, token_ids[:-1], ps)
+        keys = page_keys(self._model_id(namespace), token_ids[:-1], ps)
         start = got.cached_len // ps
         wanted = keys[start:]
         known = 0

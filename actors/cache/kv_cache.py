@@ -8,6 +8,9 @@ Page ownership, which ``check_invariants`` enforces: every page is exactly one o
 *free* (in the allocator), *cached* (owned by the radix tree, possibly shared by
 several requests) or *private* (owned by one running request). A request's page
 table is its cached prefix pages followed by its private pages.
+
+A request computed with a LoRA adapter names it (``namespace``, the adapter's id):
+its prefix is matched and cached among that adapter's entries only.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class _Request:
     num_shared: int  # leading pages owned by the tree (locked via lock_node)
     lock_node: TreeNode | None
     priority: int
-    computing: tuple[int, ...] | None = None  # its key in KVCacheManager._computing
+    computing: tuple[str, tuple[int, ...]] | None = None  # its key in KVCacheManager._computing
+    namespace: str = ""  # the LoRA adapter its KV was computed with ("" = the base model)
 
 
 class KVCacheManager:
@@ -69,12 +73,18 @@ class KVCacheManager:
         # Prompts admitted but not yet in the tree (no cache_prefix yet), by their first
         # page of tokens: what ``waits_for`` compares a new prompt with.
         self.wait_min_tokens = max(wait_min_tokens, page_size)
-        self._computing: dict[tuple[int, ...], dict[str, np.ndarray]] = {}
+        self._computing: dict[tuple[str, tuple[int, ...]], dict[str, np.ndarray]] = {}
 
     # ---- per-request operations --------------------------------------------
 
     def admit(
-        self, rid: str, token_ids: Sequence[int], extra_pages: int = 0, *, priority: int = 0
+        self,
+        rid: str,
+        token_ids: Sequence[int],
+        extra_pages: int = 0,
+        *,
+        priority: int = 0,
+        namespace: str = "",
     ) -> Admission | None:
         """Reserve pages for all of ``token_ids`` plus ``extra_pages`` more (decode headroom).
 
@@ -94,7 +104,7 @@ class KVCacheManager:
         node: TreeNode | None = None
         shared: list[int] = []
         if self.enable_prefix_cache:
-            match = self.tree.match_prefix(token_ids[:-1], touch=False)
+            match = self.tree.match_prefix(token_ids[:-1], touch=False, namespace=namespace)
             node, shared = match.node, match.pages
             self.tree.lock(node)  # before evicting, so the match cannot evict itself
         fresh = self._alloc(total_pages - len(shared))
@@ -106,14 +116,14 @@ class KVCacheManager:
             self.tree.touch(node)
             self.tree.record_lookup(len(token_ids), len(shared) * self.page_size)
         pages = shared + fresh
-        self._requests[rid] = _Request(pages, len(shared), node, priority)
+        self._requests[rid] = _Request(pages, len(shared), node, priority, namespace=namespace)
         if self.enable_prefix_cache and len(token_ids) > self.page_size:
-            key = tuple(token_ids[: self.page_size])
+            key = (namespace, tuple(token_ids[: self.page_size]))
             self._computing.setdefault(key, {})[rid] = np.asarray(token_ids, dtype=np.int64)
             self._requests[rid].computing = key
         return Admission(len(shared) * self.page_size, list(pages))
 
-    def waits_for(self, token_ids: Sequence[int]) -> str | None:
+    def waits_for(self, token_ids: Sequence[int], namespace: str = "") -> str | None:
         """The running request still computing a prefix this prompt shares, if any.
 
         SGLang's in-batch prefix caching: when prompts sharing an uncached prefix
@@ -124,10 +134,11 @@ class KVCacheManager:
         in the tree (``cache_prefix``), this one's admission matches it.
         """
         ps = self.page_size
-        group = self._computing.get(tuple(token_ids[:ps])) if self.enable_prefix_cache else None
+        key = (namespace, tuple(token_ids[:ps]))
+        group = self._computing.get(key) if self.enable_prefix_cache else None
         if not group:
             return None
-        cached = self.tree.match_prefix(token_ids[:-1], touch=False).num_tokens
+        cached = self.tree.match_prefix(token_ids[:-1], touch=False, namespace=namespace).num_tokens
         ids = np.asarray(token_ids[:-1], dtype=np.int64)  # the last token is always computed
         for rid, other in group.items():
             n = min(len(ids), len(other))
@@ -213,6 +224,9 @@ class KVCacheManager:
     def page_table(self, rid: str) -> list[int]:
         return list(self._requests[rid].pages)
 
+    def namespace_of(self, rid: str) -> str:
+        return self._requests[rid].namespace
+
     def __contains__(self, rid: object) -> bool:
         return rid in self._requests
 
@@ -248,14 +262,14 @@ class KVCacheManager:
             assert not private.intersection(mine), f"{rid}: private page shared"
             private.update(mine)
             assert cached.issuperset(req.pages[: req.num_shared]), f"{rid}: prefix not cached"
-            locks += req.lock_node is not None and req.lock_node is not self.tree.root
+            locks += req.lock_node is not None and req.lock_node.parent is not None
         assert len(free) == self.allocator.num_free, "duplicate in free list"
         assert not free & cached and not free & private and not cached & private
         total = len(free) + len(private) + len(cached)
         assert total == self.allocator.num_pages, (len(free), len(private), len(cached))
         for key, group in self._computing.items():
             assert group and all(self._requests[r].computing == key for r in group), key
-        top = sum(c.lock_ref for c in self.tree.root.children.values())
+        top = sum(c.lock_ref for root in self.tree.roots for c in root.children.values())
         assert top == locks, f"{top} references on the tree, {locks} held by requests"
 
     # ---- internals ------------------------------------------------------------
@@ -287,12 +301,17 @@ class KVCacheManager:
             return None
         # Tokens that disagree with the admitted prefix would file the request's shared
         # pages under a second key; refuse before the tree is touched.
-        shared = self.tree.match_prefix(token_ids[: req.num_shared * ps], touch=False).pages
+        ns = req.namespace
+        shared = self.tree.match_prefix(
+            token_ids[: req.num_shared * ps], touch=False, namespace=ns
+        ).pages
         if shared != req.pages[: req.num_shared]:
             raise ValueError(
                 "token_ids do not start with the prefix this request was admitted with"
             )
-        return self.tree.insert(token_ids[: n_full * ps], req.pages[:n_full], priority=req.priority)
+        return self.tree.insert(
+            token_ids[: n_full * ps], req.pages[:n_full], priority=req.priority, namespace=ns
+        )
 
     def _drop(self, req: _Request, adopted: set[int]) -> None:
         if req.lock_node is not None:

@@ -12,6 +12,12 @@ under "ancestor of", and everything unlocked is evictable leaf by leaf.
 The tree never frees pages itself: ``insert`` returns the pages it did not need
 and ``evict``/``flush`` return the pages they dropped, and the caller hands them
 back to the allocator.
+
+Entries are keyed by adapter as well as by tokens: each ``namespace`` (a LoRA
+adapter's id; "" for the base model) has a root of its own, so the same tokens
+under two adapters are two entries and a match never crosses from one to the other
+(their KV differs). Eviction ranks the leaves of every namespace together. A root
+has no parent; an empty adapter root is dropped when its last leaf is.
 """
 
 from __future__ import annotations
@@ -87,7 +93,8 @@ class RadixTree:
         self.strategy = strategy or LRUStrategy()
         self._clock = itertools.count(1)  # logical time: deterministic, unlike the wall clock
         self._ids = itertools.count()
-        self.root = TreeNode(next(self._ids), (), [], None, 0)
+        self.root = TreeNode(next(self._ids), (), [], None, 0)  # the base model's namespace
+        self._roots: dict[str, TreeNode] = {"": self.root}
         self.num_cached_pages = 0
         self.num_evictable_pages = 0  # pages in unlocked nodes
         self.lookups = 0
@@ -96,7 +103,20 @@ class RadixTree:
 
     # ---- lookup -------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], *, touch: bool = True) -> PrefixMatch:
+    def root_of(self, namespace: str, *, create: bool = False) -> TreeNode | None:
+        """The root of ``namespace``'s entries (made when ``create``)."""
+        root = self._roots.get(namespace)
+        if root is None and create:
+            root = self._roots[namespace] = TreeNode(next(self._ids), (), [], None, 0)
+        return root
+
+    @property
+    def roots(self) -> list[TreeNode]:
+        return list(self._roots.values())
+
+    def match_prefix(
+        self, token_ids: Sequence[int], *, touch: bool = True, namespace: str = ""
+    ) -> PrefixMatch:
         """Longest cached full-page prefix of ``token_ids``.
 
         May split a node so the match ends exactly on a node boundary (so locking
@@ -106,7 +126,10 @@ class RadixTree:
         """
         tokens = tuple(token_ids)
         ps = self.page_size
-        node, pos, pages = self.root, 0, []
+        root = self.root_of(namespace)
+        if root is None:  # nothing cached for it: its root is made by the first insert
+            root = TreeNode(-1, (), [], None, 0)
+        node, pos, pages = root, 0, []
         limit = len(tokens) - len(tokens) % ps
         while pos < limit:
             child = node.children.get(tokens[pos : pos + ps])
@@ -126,10 +149,10 @@ class RadixTree:
     def touch(self, node: TreeNode) -> None:
         """Mark ``node`` and its ancestors as just hit by a prefix lookup."""
         now = next(self._clock)
-        while node is not self.root:
+        while node.parent is not None:
             node.last_access_time = now
             node.hit_count += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def record_lookup(self, requested_tokens: int, matched_tokens: int) -> None:
         self.lookups += 1
@@ -144,7 +167,12 @@ class RadixTree:
     # ---- insert -------------------------------------------------------------
 
     def insert(
-        self, token_ids: Sequence[int], page_ids: Sequence[int], *, priority: int = 0
+        self,
+        token_ids: Sequence[int],
+        page_ids: Sequence[int],
+        *,
+        priority: int = 0,
+        namespace: str = "",
     ) -> InsertResult:
         """Cache ``token_ids`` (exactly ``len(page_ids)`` full pages) backed by ``page_ids``.
 
@@ -160,7 +188,8 @@ class RadixTree:
                 f"got {len(tokens)}"
             )
         now = next(self._clock)
-        node, pos = self.root, 0
+        node, pos = self.root_of(namespace, create=True), 0
+        assert node is not None
         redundant: list[int] = []
         tree_pages: list[int] = []
         while pos < len(tokens):
@@ -191,24 +220,24 @@ class RadixTree:
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its path to the root from eviction (one more reference)."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.num_evictable_pages -= len(node.pages)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
         """Drop one reference taken by ``lock(node)``."""
         cur = node
-        while cur is not self.root:  # check first so a bad unlock changes nothing
+        while cur.parent is not None:  # check first so a bad unlock changes nothing
             if cur.lock_ref <= 0:
                 raise RuntimeError(f"unlock of unlocked node {cur!r}")
-            cur = cur.parent  # type: ignore[assignment]
-        while node is not self.root:
+            cur = cur.parent
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.num_evictable_pages += len(node.pages)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     @property
     def num_locked_pages(self) -> int:
@@ -235,7 +264,7 @@ class RadixTree:
             parent = victim.parent
             assert parent is not None
             freed.extend(self._remove_leaf(victim))
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, self._heap_entry(parent))
         return freed
 
@@ -263,6 +292,7 @@ class RadixTree:
         """Raise AssertionError if the tree's bookkeeping is inconsistent (tests)."""
         cached = evictable = 0
         seen: set[int] = set()
+        assert self._roots[""] is self.root
         for n in self._nodes():
             assert n.pages and len(n.key) == len(n.pages) * self.page_size, n
             assert n.parent is not None and n.parent.children[n.key[: self.page_size]] is n, n
@@ -277,7 +307,7 @@ class RadixTree:
     # ---- internals -----------------------------------------------------------
 
     def _nodes(self) -> Iterator[TreeNode]:
-        stack = list(self.root.children.values())
+        stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -322,6 +352,8 @@ class RadixTree:
         assert parent is not None and not node.children and node.lock_ref == 0
         del parent.children[node.key[: self.page_size]]
         node.parent = None
+        if parent.parent is None and parent is not self.root and not parent.children:
+            self._roots = {ns: r for ns, r in self._roots.items() if r is not parent}
         self.num_cached_pages -= len(node.pages)
         self.num_evictable_pages -= len(node.pages)
         return node.pages

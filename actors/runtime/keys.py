@@ -36,7 +36,16 @@ __all__ = [
 ]
 
 # The roles `actorlm keys` makes pairs for by default.
-KEY_ROLES = ("supervisor", "gateway", "tokenizer", "scheduler", "cache_manager", "worker", "client")
+KEY_ROLES = (
+    "supervisor",
+    "gateway",
+    "tokenizer",
+    "scheduler",
+    "cache_manager",
+    "worker",
+    "lora_loader",
+    "client",
+)
 
 
 class MissingKeyError(ValueError):

@@ -11,6 +11,12 @@ with ``on_worker_loss=recompute``, go back to the queue to be computed again fro
 their tokens), and the pool epoch it sends with every ``CacheStep`` goes up, so the
 cache manager forgets every page mapping before it admits anything again. Nothing
 is ever served from KV that no longer exists, whoever noticed the death first.
+
+With LoRA a request naming an adapter first gets a reference from the lora_loader
+(``adapters.AdapterGate``; one ``LoraStep`` exchange in the steps where something
+changed), then waits in the queue until its adapter is in a worker slot. When the
+loader dies, every request holding a reference ends with a 503: its successor knows
+none of them.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from ...messages.generate import (
     TokenizedRequest,
 )
 from ...messages.grammar import CompileGrammar, GrammarCompiled
+from ...messages.lora import LoraSlotsChanged, LoraStepResult
 from ...messages.step import ForwardBatch, StepResult
 from ..runtime import Actor, ActorError, handles
+from .adapters import AdapterGate
 from .policy import BatchPlanner, Refusal
 
 __all__ = ["SchedulerActor"]
@@ -45,7 +53,7 @@ log = logging.getLogger(__name__)
 
 class SchedulerActor(Actor):
     role = "scheduler"
-    inbox = (TokenizedRequest, AbortRequest, FinishRequest)
+    inbox = (TokenizedRequest, AbortRequest, FinishRequest, LoraSlotsChanged)
 
     async def on_start(self) -> None:
         model = self.config.model
@@ -69,36 +77,49 @@ class SchedulerActor(Actor):
         cfg = self.config
         self.max_queue_time = cfg.scheduler.max_queue_time_s or cfg.deploy.request_timeout_s
         self.overlap = not cfg.scheduler.disable_overlap_schedule
+        self.gate = AdapterGate() if cfg.lora.enabled else None
         self.spawn(self._loop(), name="scheduler-loop")
 
     def stats(self) -> dict[str, Any]:
+        lora = {}
+        if self.gate is not None:
+            lora = {"lora_acquiring": len(self.gate.pending) + len(self.gate.sent)}
+            lora["lora_requests"] = len(self.gate.held)
         return {
             "running": len(self.planner.running),
             "queued": len(self.planner.waiting),
             "compiling": len(self.planner.compiling),
             **self.planner.stats,
+            **lora,
         }
 
     # -- inbox ----------------------------------------------------------------
     @handles(TokenizedRequest)
     async def on_request(self, msg: TokenizedRequest, env: Envelope) -> None:
-        refused = self.planner.add(msg, env.sender)
+        self.reply_to[msg.rid] = env.sender
+        if msg.lora_path and not msg.lora_id:
+            if self.gate is None:
+                why = (
+                    f"no LoRA adapter named {msg.lora_path!r}: this server serves none "
+                    "(start it with --enable-lora or --lora-paths)"
+                )
+                await self._emit([self._error(msg, why, ErrorCode.NOT_FOUND)])
+                return
+            self.gate.add(msg, env.sender)  # it joins the queue once it holds a reference
+            self._wake.set()
+            return
+        await self._add(msg, env.sender)
+
+    async def _add(self, msg: TokenizedRequest, sender: str) -> None:
+        refused = self.planner.add(msg, sender)
         if refused is None and {"worker", "cache_manager"} & self.runtime.down:
             self.planner.abort(msg.rid, notify=False)
             refused = Refusal(
                 "the engine is restarting a failed actor; try again shortly",
                 ErrorCode.UNAVAILABLE,
             )
-        self.reply_to[msg.rid] = env.sender
         if refused is not None:
-            delta = TokenDelta(
-                rid=msg.rid,
-                finish_reason="error",
-                prompt_tokens=len(msg.input_ids),
-                error=refused.message,
-                error_code=refused.code,
-            )
-            await self._emit([delta])
+            await self._emit([self._error(msg, refused.message, refused.code)])
             return
         if msg.rid in self.planner.compiling:
             constraint = msg.sampling.constraint
@@ -130,9 +151,26 @@ class SchedulerActor(Actor):
                 self.planner.grammar_ready(rid, reply.backend)
         self._wake.set()
 
+    @staticmethod
+    def _error(msg: TokenizedRequest, message: str, code: ErrorCode) -> TokenDelta:
+        return TokenDelta(
+            rid=msg.rid,
+            finish_reason="error",
+            prompt_tokens=len(msg.input_ids),
+            error=message,
+            error_code=code,
+        )
+
     @handles(AbortRequest)
     async def on_abort(self, msg: AbortRequest, env: Envelope) -> None:
-        if self.planner.abort(msg.rid, msg.reason):
+        waiting = self.gate.abort(msg.rid) if self.gate is not None else None
+        if waiting is not None:
+            req = waiting[0]
+            delta = TokenDelta(
+                rid=msg.rid, finish_reason=msg.reason, prompt_tokens=len(req.input_ids)
+            )
+            await self._emit([delta])
+        elif self.planner.abort(msg.rid, msg.reason):
             self._wake.set()
 
     @handles(FinishRequest)
@@ -142,8 +180,20 @@ class SchedulerActor(Actor):
             self.reply_to.pop(msg.rid, None)
             self._wake.set()
 
+    @handles(LoraSlotsChanged)
+    async def on_slots_changed(self, msg: LoraSlotsChanged, env: Envelope) -> None:
+        if self.gate is not None:
+            self.gate.dirty = True
+            self._wake.set()
+
     async def on_peer_down(self, role: str, reason: str) -> None:
+        if role == "lora_loader" and self.gate is not None:
+            await self._adapters_lost(f"the lora_loader actor died ({reason})")
+            return
         if role in ("worker", "cache_manager"):
+            if self.gate is not None:  # its slots are gone: none is ready until reloaded
+                self.planner.ready_adapters = self.gate.ready = set()
+                self.gate.dirty = True
             self.pool_epoch += 1
             self.planner.pool_lost()
             if self.config.scheduler.on_worker_loss == "recompute":
@@ -157,14 +207,64 @@ class SchedulerActor(Actor):
         orphans = [rid for rid, owner in self.reply_to.items() if owner == role]
         for rid in orphans:
             self.planner.abort(rid, notify=False)
+            if self.gate is not None:
+                self.gate.abort(rid)
             del self.reply_to[rid]
         if orphans:
             log.warning("%s went down: aborted its %d request(s)", role, len(orphans))
             self._wake.set()
 
     async def on_peer_up(self, role: str) -> None:
-        if role in ("worker", "cache_manager"):
+        if role in ("worker", "cache_manager", "lora_loader"):
+            if self.gate is not None:
+                self.gate.dirty = True
             self._wake.set()  # requeued requests can run again
+
+    async def _adapters_lost(self, why: str) -> None:
+        """The loader died: the requests holding its references end (503); base ones go on."""
+        assert self.gate is not None
+        waiting, held = self.gate.reset()
+        self.planner.ready_adapters = set()
+        deltas = [self._error(msg, why, ErrorCode.UNAVAILABLE) for msg, _ in waiting]
+        for rid in held:
+            req = self.planner.running.get(rid) or self.planner.waiting.get(rid)
+            if req is not None and self.planner.abort(rid, notify=False):
+                deltas.append(self._error(req.request, why, ErrorCode.UNAVAILABLE))
+        if deltas:
+            log.warning("%s: %d request(s) with adapters end", why, len(deltas))
+        await self._emit(deltas)
+        self._wake.set()
+
+    async def _lora_round(self) -> None:
+        """At most one LoraStep: references to take and drop, slots wanted and in use."""
+        gate, planner = self.gate, self.planner
+        assert gate is not None
+        # a zombie's step in flight still reads its adapter's slot: it stays in use
+        gate.sweep(
+            lambda rid: rid in planner.running or rid in planner.waiting or planner.is_zombie(rid)
+        )
+        step = gate.step(planner.waiting.values(), [*planner.running.values(), *planner.zombies()])
+        if step is None:
+            return
+        try:
+            result = await self.request("lora_loader", step)
+        except ActorError as exc:
+            log.error("LoRA step failed: %s", exc)
+            why = f"the lora_loader could not be reached: {exc}"
+            code = code_for_status(exc.status)
+            await self._emit([self._error(m, why, code) for m, _ in gate.failed()])
+            return
+        assert isinstance(result, LoraStepResult)
+        known = result.worker_incarnation in (0, self.runtime.peer_incarnation("worker"))
+        acquired, refused = gate.apply(result, worker_known=known)
+        planner.ready_adapters = gate.ready
+        await self._emit([self._error(m, no.message, no.code) for (m, _), no in refused])
+        for msg, reply_to in acquired:
+            await self._add(msg, reply_to)
+
+    def _lora_pending(self) -> bool:
+        gate = self.gate
+        return gate is not None and bool(gate.pending or gate.releases or gate.dirty)
 
     def _pool_down(self) -> bool:
         return bool({"worker", "cache_manager"} & self.runtime.down)
@@ -193,8 +293,10 @@ class SchedulerActor(Actor):
             self._wake.clear()
             if planner.waiting:
                 planner.expire_waiting(self.max_queue_time)
+            if self.gate is not None:
+                await self._lora_round()
             await self._emit(planner.take_deltas())
-            if not planner.has_work() or self._pool_down():
+            if not (planner.has_work() or self._lora_pending()) or self._pool_down():
                 await self._idle()
                 continue
             if not await self._step():
@@ -215,7 +317,13 @@ class SchedulerActor(Actor):
 
     def _next_batch(self) -> ForwardBatch:
         self._step_id += 1
-        return self.planner.build_batch(self._step_id)
+        planner = self.planner
+        batch = planner.build_batch(self._step_id)
+        if self.gate is not None and self.gate.held and batch.seqs:
+            lora_ids = [planner.running[s.rid].request.lora_id for s in batch.seqs]
+            if any(lora_ids):
+                batch = msgspec.structs.replace(batch, lora_ids=lora_ids)
+        return batch
 
     async def _step(self) -> bool:
         """Steps until the batch runs dry. With overlap, the next step is planned and sent
@@ -231,6 +339,8 @@ class SchedulerActor(Actor):
             batch, task = flight
             flight = None
             if self.overlap and not self._pool_down():
+                if self.gate is not None:
+                    await self._lora_round()  # adapters wanted now, while the worker runs
                 await self._cache_step()  # this step's finishes, the next step's pages
                 await self._emit(finished)
                 finished = []

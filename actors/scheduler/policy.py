@@ -145,6 +145,8 @@ class BatchPlanner:
         # After a retraction, admit nothing until a request ends: admitting into the
         # pages a retraction just freed would only cause the next retraction.
         self._hold_admission = False
+        # LoRA: adapters in a worker slot now; a request for any other waits (adapters.py).
+        self.ready_adapters: set[str] = set()
         self.stats = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
@@ -289,6 +291,13 @@ class BatchPlanner:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finishes or self._releases)
 
+    def zombies(self) -> list[Req]:
+        """Requests that ended while a step in flight still names them."""
+        return list(self._zombies.values())
+
+    def is_zombie(self, rid: str) -> bool:
+        return rid in self._zombies
+
     @property
     def in_flight(self) -> int:
         """Steps sent to the worker and not answered yet."""
@@ -304,7 +313,10 @@ class BatchPlanner:
 
     # -- one step ---------------------------------------------------------------
     def _candidates(self, limit: int) -> list[Req]:
-        reqs: Iterable[Req] = self.waiting.values()
+        ready = self.ready_adapters
+        reqs: Iterable[Req] = (
+            r for r in self.waiting.values() if not r.request.lora_id or r.request.lora_id in ready
+        )
         if self.cfg.policy == "priority":
             reqs = sorted(reqs, key=lambda r: (-r.request.priority, r.seq))
         else:  # fcfs, and lpm's candidates in arrival order (the cache manager reorders)
@@ -336,7 +348,11 @@ class BatchPlanner:
                     break
                 budget -= len(req.ids) - req.computed
                 extra = self.pages_for(len(req.ids) + 1) - self.pages_for(len(req.ids))
-                admits.append(AdmitOp(req.rid, list(req.ids), extra, req.request.priority))
+                admits.append(
+                    AdmitOp(
+                        req.rid, list(req.ids), extra, req.request.priority, req.request.lora_id
+                    )
+                )
         pending = self._finishes or self._releases or self._commits or self._forget_keys
         if not (admits or self._extends or pending):
             return None

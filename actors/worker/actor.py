@@ -4,6 +4,11 @@ The model, its KV tensors, the attention backend and the sampler all live in
 :class:`~actorlm.gpu.runner.ModelRunner`; this actor only moves messages. It also
 answers ``CompileGrammar``: constraints compile here, in the grammar manager's
 threads, concurrently with the forward pass (see ``actorlm.gpu.grammar.manager``).
+
+With LoRA enabled it also holds the adapter slots: ``LoadLoraSlot`` from the
+lora_loader copies an adapter's weights into one, off the loop and beside the forward
+pass in flight (the loader only hands out slots no running request uses). When the
+loader goes down its slots are emptied: the adapters in them are no longer known.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from ...config import DEFAULT_MAX_LORA_RANK
 from ...messages.control import GetInfo, Info
 from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode
 from ...messages.grammar import CompileGrammar, GrammarCompiled
+from ...messages.lora import LoadLoraSlot
 from ...messages.step import ForwardBatch, PageIO, SeqError, StepResult
 from ..runtime import RESTARTED, Actor, handles
 
@@ -33,7 +40,7 @@ log = logging.getLogger(__name__)
 
 class WorkerActor(Actor):
     role = "worker"
-    inbox = (ForwardBatch, GetInfo, CompileGrammar)
+    inbox = (ForwardBatch, GetInfo, CompileGrammar, LoadLoraSlot)
 
     async def on_start(self) -> None:
         from ...gpu.grammar.manager import GrammarManager
@@ -44,9 +51,15 @@ class WorkerActor(Actor):
         self.grammars = GrammarManager(self.config.grammar, self._grammar_setup)
         self.runner.grammars = self.grammars
         self.compiles = 0
+        lora = self.config.lora
+        if lora.enabled:
+            rank = lora.max_lora_rank or DEFAULT_MAX_LORA_RANK
+            await self.run_blocking(self.runner.enable_lora, lora.max_loras_per_batch, rank)
         self.storage = open_storage(self.config)
         # One forward at a time: the runner's KV pool and sampler state are not shared-safe.
         self._lock = asyncio.Lock()
+        self._lora_lock = asyncio.Lock()  # one slot load at a time (and none while clearing)
+        self.lora_loads = 0
         self.steps = 0
         self.forward_ms = 0.0
 
@@ -65,6 +78,7 @@ class WorkerActor(Actor):
             "forward_ms_total": self.forward_ms,
             "storage_corrupt": corrupt,
             "grammar_compiles": self.compiles,
+            "lora_slot_loads": self.lora_loads,
         }
 
     def _grammar_setup(self) -> GrammarSetup:
@@ -152,6 +166,22 @@ class WorkerActor(Actor):
             async with self._lock:
                 self.runner.release_all()
                 self.grammars.release_all()
+        if role == "lora_loader" and self.runner.lora is not None:
+            # A step planned already keeps its slots; none planned from now on finds one.
+            async with self._lora_lock:
+                self.runner.lora.clear()
+
+    @handles(LoadLoraSlot)
+    async def on_load_slot(self, msg: LoadLoraSlot, env: Envelope) -> None:
+        pool = self.runner.lora
+        if pool is None:
+            raise ValueError("this worker has no LoRA slots (start it with --enable-lora)")
+        targets = [(t.module, t.a, t.b) for t in msg.targets]
+        async with self._lora_lock:
+            await self.run_blocking(
+                lambda: pool.load(msg.slot, msg.lora_id, targets, first=msg.first, last=msg.last)
+            )
+        self.lora_loads += int(msg.last)
 
     @handles(GetInfo)
     async def on_info(self, msg: GetInfo, env: Envelope) -> Info:

@@ -7,7 +7,10 @@ as long as its last stride is 1. Rows whose segment uses ``BASE`` are never writ
 
 ``lora_apply_torch`` is the reference (any device, fp32 products); ``lora_apply_triton``
 runs the segmented shrink and expand kernels (``kernels/triton/lora``); ``lora_apply``
-takes Triton on CUDA where it imports.
+takes Triton on CUDA where it imports. The worker's CPU path keeps weights rank-major
+(``[R, n, K]``) and runs ``lora_apply_gathered`` (two batched matmuls for every adapter
+of a decode step at once) or ``lora_apply_segments`` (two matmuls per adapter, for
+segments of very different lengths), as the step's plan says (``plan.LoraPlan``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import torch
 
 from .batch import BASE, LoraBatch
 
-__all__ = ["LoraWeights", "lora_apply", "lora_apply_torch", "lora_apply_triton"]
+__all__ = [
+    "LoraWeights",
+    "lora_apply",
+    "lora_apply_gathered",
+    "lora_apply_segments",
+    "lora_apply_torch",
+    "lora_apply_triton",
+]
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,40 @@ def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, w: LoraWeights, batch: Lo
         a, b = w.a[slot, :r].float(), w.b[slot, :, :r].float()
         delta = (x[lo:hi].float() @ a.T) @ b.T
         y[lo:hi] += (scalings[slot] * delta).to(y.dtype)
+
+
+def lora_apply_segments(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]],
+    ranks: Sequence[int],
+) -> None:
+    """The CPU path, one segment at a time (few segments of many rows: prefill chunks).
+
+    Weights are rank-major: ``a`` [R, n, K], ``b`` [R, n, N] (``b`` transposed, the
+    scaling folded in), so slot ``s``'s first ``r`` ranks are the strided matrices
+    ``a[:r, s]`` and ``b[:r, s]``. For each ``(slot, lo, hi)``, rows ``lo:hi`` get
+    ``(x A^T) B^T``; ``ranks[slot]`` 0 leaves them alone."""
+    for slot, lo, hi in segments:
+        r = ranks[slot]
+        if r == 0 or slot == BASE or lo == hi:
+            continue
+        t = torch.mm(x[lo:hi], a[:r, slot].t())  # [rows, r]
+        y[lo:hi].addmm_(t, b[:r, slot])
+
+
+def lora_apply_gathered(
+    xg: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor
+) -> None:
+    """The CPU path for many segments (decode steps), every adapter in two batched
+    matmuls. ``xg`` [n, M, K]: the adapter rows gathered slot by slot (padded to M);
+    ``a`` [n, K, r] and ``b`` [n, r, N]: views of rank-major weights (zero past each
+    slot's rank); ``y`` [rows, N]: the adapter rows' outputs, in order; ``valid`` [rows]:
+    where those rows are among the n * M computed."""
+    out = torch.bmm(torch.bmm(xg, a), b)  # [n, M, N]
+    y.add_(out.flatten(0, 1).index_select(0, valid))
 
 
 def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, w: LoraWeights, batch: LoraBatch) -> None:

@@ -93,10 +93,9 @@ def test_info_endpoints(server: Server) -> None:
     assert info["config"]["model"]["dtype"] == info["platform"]["dtype_auto"]
     assert info["platform"]["kernel_isa"] in ("avx512", "avx2", "generic")
     assert call(server, "GET", "/health_generate")[0] == 200
-    status, body, _ = call(
-        server, "POST", "/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}
-    )
-    assert status == 501 and "LoRA" in body["error"]["message"]
+    for path in ("/load_lora_adapter", "/v1/unload_lora_adapter"):
+        status, body, _ = call(server, "POST", path, json={"lora_name": "a", "lora_path": "/x"})
+        assert status == 400 and "--enable-lora" in body["error"]["message"]
 
 
 def test_metrics(server: Server) -> None:

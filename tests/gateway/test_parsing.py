@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from actorlm.config import EngineConfig, ModelConfig
+from actorlm.config import EngineConfig, LoraConfig, ModelConfig
 from actorlm.gateway.errors import ApiError
 from actorlm.gateway.native import parse_generate
 from actorlm.gateway.openai import Choice, chunk, completion_logprobs, full_response
@@ -139,7 +139,22 @@ def test_native_generate_parsing(state: GatewayState) -> None:
         == 400
     )
     assert _err(parse_generate, {"text": "x", "input_ids": [1]}, state).status == 400
-    assert _err(parse_generate, {"text": "x", "lora_path": "a"}, state).status == 501
+    no_lora = _err(parse_generate, {"text": "x", "lora_path": "a"}, state)
+    assert no_lora.status == 404 and "--enable-lora" in no_lora.message
+
+
+def test_adapters_are_named_by_lora_path_or_model(state: GatewayState) -> None:
+    assert parse_generate({"text": "x", "lora_path": ""}, state).reqs[0].lora_path is None
+    assert _err(parse_completion, {"prompt": "x", "model": "a"}, state).status == 404
+    lora = EngineConfig(model=state.config.model, lora=LoraConfig(enable_lora=True))
+    state = GatewayState(lora, state.limits)
+    assert parse_generate({"text": "x", "lora_path": "a"}, state).reqs[0].lora_path == "a"
+    job = parse_completion({"prompt": "x", "model": "a", "n": 2}, state)
+    assert [r.lora_path for r in job.reqs] == ["a", "a"] and job.model == "a"
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "model": "a"}, state)
+    assert chat.reqs[0].lora_path == "a"
+    base = parse_completion({"prompt": "x", "model": "tiny"}, state)  # the base model's name
+    assert base.reqs[0].lora_path is None and base.model == "tiny"
 
 
 def test_response_shapes(state: GatewayState) -> None:

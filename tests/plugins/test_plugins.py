@@ -337,6 +337,7 @@ def test_actorlm_plugins_lists_plugins_platform_entries_hooks_and_interceptors(
         "example_counting",
         "example_safetensors",
         "example_oldest_first",
+        "example_most_used_first",
         "example_recording",
         "example_force_token",
         "example_recording_grammar",

@@ -15,6 +15,7 @@ from actorlm.extensions.points import (
     GRAMMAR_BACKENDS,
     HICACHE_STORAGE,
     LOGIT_PROCESSORS,
+    LORA_EVICTION_POLICIES,
     MODELS,
     WEIGHT_LOADERS,
 )
@@ -66,6 +67,11 @@ def register(settings: PluginSettings) -> None:
         "example_recording",
         f"{_PKG}.storage:RecordingFileStorage",
         help="the file backend, recording reads and writes",
+    )
+    LORA_EVICTION_POLICIES.register(
+        "example_most_used_first",
+        f"{_PKG}.lora_eviction:MostUsedFirst",
+        help="evict the adapter used most",
     )
     LOGIT_PROCESSORS.register(
         "example_force_token",
