@@ -24,7 +24,7 @@ from .actors.client import ClientActor, EngineClient, RequestFailed, pipeline_ro
 from .actors.runtime import ActorError, ActorRuntime, RuntimeOptions
 from .actors.runtime.supervisor import Launcher
 from .config import EngineConfig
-from .launch import config_from_options, load_deployment, resolve_config
+from .launch import Deployment, config_from_options, load_deployment, resolve_config
 from .messages.errors import ErrorCode, code_for_status
 from .messages.generate import ChatMessage, GenerateRequest, TextDelta, TokenLogprob, Usage
 from .messages.sampling import SamplingParams, check_sampling
@@ -67,7 +67,7 @@ class Engine:
         **options: Any,
     ) -> None:
         if deploy is not None:
-            self._deployment = load_deployment(deploy, config)
+            self._deployment: Deployment | None = load_deployment(deploy, config)
             base = self._deployment.config
         else:
             self._deployment = None

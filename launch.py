@@ -93,10 +93,10 @@ def config_from_options(base: EngineConfig | None = None, **options: Any) -> Eng
                 merged.setdefault(name, {}).update(values)
             config = msgspec.structs.replace(config, plugins=merged)
             continue
-        section = owners.get(key)
-        if section is None:
+        owner = owners.get(key)
+        if owner is None:
             raise ConfigError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
-        updates.setdefault(section, {})[key] = value
+        updates.setdefault(owner, {})[key] = value
     for section, values in updates.items():
         config = msgspec.structs.replace(config, **{section: _merged(config, section, values)})
     return config

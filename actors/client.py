@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from ..config import EngineConfig
@@ -119,7 +119,7 @@ class EngineClient:
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:16]}{next(self._rids)}"
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TextDelta]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TextDelta, None]:
         """Yield deltas until one has ``finish_reason``. Errors come as a final delta
         with ``finish_reason="error"``; closing the iterator early aborts the request."""
         if req.rid in self.actor.streams:

@@ -8,6 +8,7 @@ checks); logit processors check their parameters where they are built, in the wo
 
 from __future__ import annotations
 
+import builtins
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -131,7 +132,7 @@ class Fields:
             raise self.bad(key, "a boolean", value)
         return value
 
-    def str(self, key: str, default: str | None = None) -> str | None:
+    def str(self, key: builtins.str, default: builtins.str | None = None) -> builtins.str | None:
         value = self.body.get(key)
         if value is None:
             return default
@@ -139,11 +140,11 @@ class Fields:
             raise self.bad(key, "a string", value)
         return value
 
-    def object(self, key: str) -> Fields | None:
+    def object(self, key: builtins.str) -> Fields | None:
         value = self.body.get(key)
         return None if value is None else Fields(value, self.name(key))
 
-    def str_list(self, key: str) -> list[str]:
+    def str_list(self, key: builtins.str) -> list[builtins.str]:
         """A string or a list of strings (``stop``)."""
         value = self.body.get(key)
         if value is None:
@@ -154,7 +155,7 @@ class Fields:
             return list(value)
         raise self.bad(key, "a string or a list of strings", value)
 
-    def int_list(self, key: str) -> list[int]:
+    def int_list(self, key: builtins.str) -> list[builtins.int]:
         value = self.body.get(key)
         if value is None:
             return []
@@ -162,14 +163,14 @@ class Fields:
             return list(value)
         raise self.bad(key, "a list of integers", value)
 
-    def logit_bias(self, key: str) -> dict[int, float]:
+    def logit_bias(self, key: builtins.str) -> dict[builtins.int, builtins.float]:
         """OpenAI sends token ids as string keys; SGLang clients sometimes as ints."""
         value = self.body.get(key)
         if value is None:
             return {}
         if not isinstance(value, dict):
             raise self.bad(key, "an object mapping token ids to numbers", value)
-        out: dict[int, float] = {}
+        out: dict[builtins.int, builtins.float] = {}
         for tok, bias in value.items():
             try:
                 tok_id = int(tok)

@@ -79,7 +79,7 @@ def _params(tool: dict[str, Any]) -> dict[str, Any]:
 def plan_tools(f: Fields, template_has_tools: bool) -> tuple[ToolPlan | None, list[str]]:
     """What ``tools``/``tool_choice``/``parallel_tool_calls`` ask for, and any warnings."""
     choice = f.raw("tool_choice")
-    parallel = f.bool("parallel_tool_calls", True)
+    parallel = f.bool("parallel_tool_calls", True) is not False
     if f.raw("tools") is None:
         if choice not in (None, "none"):
             raise ApiError(400, "tool_choice needs 'tools'", param="tool_choice")

@@ -57,6 +57,7 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
     if abs(model.attention_scale - info.head_dim**-0.5) > 1e-12:
         return None
     layers = []
+    layer: Any
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, GatedMLP):
@@ -171,7 +172,8 @@ class FusedDecoder:
             return None, "turned off"
         if type(backend) not in (CpuBackend, TorchNativeBackend):
             return None, f"attention backend {type(backend).__name__}"
-        if any(getattr(model, "layer_windows", ())) or getattr(model, "attention_softcap", 0):
+        windowed = any(getattr(model, "layer_windows", ()))
+        if windowed or float(getattr(model, "attention_softcap", 0.0)):
             return None, "sliding-window or soft-capped attention"
         pool, scale = backend.pool, backend.scale
         spec = _SPECS.get(type(model))

@@ -35,7 +35,7 @@ A plugin adds a method with ``QUANTIZATION_METHODS.register(name, cls)``: a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from actorlm.extensions.points import QUANTIZATION_METHODS
@@ -218,8 +218,9 @@ def quantize_model(model: nn.Module, method: LinearMethod) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, method.convert(module.weight.data, _bias(module)))
     count = len(linears)
-    if getattr(model, "tied", False) and hasattr(model, "set_lm_head"):
-        model.set_lm_head(method.convert(model.lm_head_weight(), None))
+    lm: Any = model  # a CausalLM: its tied head is converted through set_lm_head
+    if getattr(lm, "tied", False) and hasattr(lm, "set_lm_head"):
+        lm.set_lm_head(method.convert(lm.lm_head_weight(), None))
         count += 1
     return count
 

@@ -86,7 +86,8 @@ class Codec:
         if isinstance(obj, np.ndarray):
             # ascontiguousarray would turn a 0-d array into shape (1,): keep obj's shape.
             arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
-            self._out_frames.append(memoryview(arr.reshape(-1)).cast("B"))
+            flat: Any = arr.reshape(-1)  # numpy's stubs do not say ndarray is a Buffer
+            self._out_frames.append(memoryview(flat).cast("B"))
             return {
                 "__tensor__": len(self._out_frames) - 1,
                 "dtype": arr.dtype.str,

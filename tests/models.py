@@ -309,6 +309,7 @@ def build_family_model(
     model.generation_config.bos_token_id = ids(fam.bos)
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
+    return out
 
 
 def build_lora_adapter(

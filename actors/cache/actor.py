@@ -21,7 +21,7 @@ that died with a worker.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from ...extensions.points import HICACHE_STORAGE
 from ...messages.cache import Admitted, CacheStep, CacheStepResult
@@ -109,12 +109,12 @@ class CacheManagerActor(Actor):
         kv = self.kv
         self._stored.difference_update(msg.forget_keys)
         stores: list[PageIO] = []
-        for op in msg.finishes:
-            if op.rid in kv:
-                if op.cache and self.storage is not None:
-                    ns = kv.namespace_of(op.rid)
-                    stores += self._to_store(op.token_ids, kv.page_table(op.rid), ns)
-                kv.finish(op.rid, op.token_ids, op.cache)
+        for fin in msg.finishes:
+            if fin.rid in kv:
+                if fin.cache and self.storage is not None:
+                    ns = kv.namespace_of(fin.rid)
+                    stores += self._to_store(fin.token_ids, kv.page_table(fin.rid), ns)
+                kv.finish(fin.rid, fin.token_ids, fin.cache)
         for rid in msg.releases:
             kv.release(rid)
         committed = {}
@@ -206,4 +206,5 @@ def open_storage(config: Any) -> HiCacheStorage | None:
         raise ValueError("--hicache-storage-backend needs --hicache-storage-dir")
     import actorlm.actors.cache.hicache  # noqa: F401  (registers the built-in backends)
 
-    return HICACHE_STORAGE.get(name)(config.cache.hicache_storage_dir)
+    factory: Any = HICACHE_STORAGE.get(name)  # a storage class takes its directory
+    return cast(HiCacheStorage, factory(config.cache.hicache_storage_dir))

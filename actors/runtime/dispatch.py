@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ...config import DeployConfig
 from ...extensions.interceptors import DROP, InterceptorChain, Reject
@@ -612,7 +612,7 @@ class ActorRuntime:
             result = handler(msg, env)
             if inspect.isasyncgen(result):
                 async for item in result:
-                    await self._reply(env, item, Kind.STREAM)
+                    await self._reply(env, cast(Message, item), Kind.STREAM)
                 await self._reply(env, Ack(), Kind.END)
                 return
             if inspect.isawaitable(result):

@@ -52,7 +52,7 @@ import inspect
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ...extensions.interceptors import Interceptor, InterceptorChain, Reject
 from ...messages.base import Message
@@ -339,7 +339,7 @@ class ActorHarness:
             result = fn(record.msg)
             if inspect.isasyncgen(result):
                 async for item in result:
-                    await self._respond(record, item, Kind.STREAM)
+                    await self._respond(record, cast(Message, item), Kind.STREAM)
                 await self._respond(record, Ack(), Kind.END)
                 return
             if inspect.isawaitable(result):

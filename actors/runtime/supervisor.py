@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -226,7 +227,7 @@ class Launcher:
             )
             member.runtime = runtime
             member.task = asyncio.create_task(runtime.serve(), name=member.role)
-            member.task.add_done_callback(lambda t, m=member: self._on_exit(m, t))
+            member.task.add_done_callback(functools.partial(self._on_exit, member))
             return
         child = ChildSpec(
             spec=member.spec,

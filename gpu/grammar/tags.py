@@ -28,7 +28,8 @@ def legacy_structural_tag(tag: str) -> tuple[list[dict[str, Any]], list[str]] | 
         raise GrammarError(f"structural_tag is not valid JSON: {exc}") from None
     if not isinstance(obj, dict) or "structures" not in obj:
         return None
-    structures, triggers = obj.get("structures"), obj.get("triggers")
+    structures: Any = obj.get("structures")
+    triggers: Any = obj.get("triggers")
     ok = (
         isinstance(structures, list)
         and structures

@@ -9,6 +9,8 @@ its rows of the fused output (q, k and v of ``qkv_proj``, say) with the step's p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -51,7 +53,8 @@ def install_lora(model: nn.Module, pool: LoraMemoryPool, placements: list[Placem
     for p in placements:
         by_module.setdefault(p.fused, []).append(p)
     count = 0
-    for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
+    layers: Any = model.model.layers  # type: ignore[union-attr]
+    for i, layer in enumerate(layers):
         for path, parts in by_module.items():
             parent_name, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer

@@ -59,7 +59,7 @@ class LoraPlan:
     ) -> LoraPlan:
         """Sequences of ``lens`` rows using ``slots`` (grouped: base first, then by slot),
         ``ranks`` each projection's rank per slot (None: no projection is adapted)."""
-        indptr, adapters = [0], []
+        indptr, adapters = [0], list[int]()
         for n, slot in zip(lens, slots, strict=True):
             if adapters and adapters[-1] == slot:
                 indptr[-1] += n
@@ -85,7 +85,7 @@ def _gather(segments: list[tuple[int, int, int]], device: torch.device | str) ->
     if (s1 - s0) * rows > MAX_PADDING * (end - first):
         return None
     index = np.full((s1 - s0, rows), first, np.int64)
-    valid = []
+    valid: list[int] = []
     for slot, lo, hi in segments:
         index[slot - s0, : hi - lo] = np.arange(lo, hi)
         valid.extend(range((slot - s0) * rows, (slot - s0) * rows + hi - lo))
