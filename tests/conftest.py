@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,13 @@ from tests.models import (
     default_gguf_path,
     smollm2_tokenizer_dir,
 )
+
+# actorlm.testing's fixtures (actorlm_harness, ...) come by its pytest11 entry point; an
+# install whose metadata predates it (or autoloading turned off) gets them from here.
+if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD") or not any(
+    ep.value == "actorlm.testing" for ep in entry_points(group="pytest11")
+):
+    pytest_plugins = ["actorlm.testing"]
 
 
 @pytest.fixture(scope="session")
