@@ -14,6 +14,15 @@ from tests.models import (
 )
 
 
+# actorlm.testing's fixtures (actorlm_harness, ...) come by its pytest11 entry point; an
+# install whose metadata predates it (or autoloading turned off) gets them from here.
+def pytest_configure(config: pytest.Config) -> None:
+    import actorlm.testing
+
+    if not config.pluginmanager.is_registered(actorlm.testing):
+        config.pluginmanager.register(actorlm.testing, "actorlm")
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()

@@ -13,11 +13,13 @@ format and the family's stop tokens in its generation config.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from actorlm.testing import build_tiny_model as _build_tiny_model
+from actorlm.testing import smollm2_tokenizer_dir as _tokenizer_dir
+from actorlm.testing import tiny_params
 
 __all__ = [
     "CACHE_DIR",
@@ -32,13 +34,6 @@ __all__ = [
 ]
 
 CACHE_DIR = Path(__file__).parent / ".cache"
-
-_ARCH: dict[str, tuple[str, str]] = {  # name → (config class, model class)
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
-}
 
 QWEN3_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -200,60 +195,12 @@ def default_gguf_path() -> Path:
 
 def smollm2_tokenizer_dir() -> Path:
     """SmolLM2's tokenizer as an HF folder (converted from the GGUF once, ~7 s)."""
-    out = CACHE_DIR / "smollm2-tokenizer"
-    if (out / "tokenizer.json").exists():
-        return out
-    from transformers import AutoTokenizer
-
-    gguf = default_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def _tiny_params(**overrides: Any) -> dict[str, Any]:
-    params: dict[str, Any] = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        # Wide init: outputs then depend on the whole context (with the default 0.02 a
-        # tiny model just repeats its last input token, which hides scheduling bugs).
-        initializer_range=0.3,
-    )
-    params.update(overrides)
-    return params
+    return _tokenizer_dir(CACHE_DIR)
 
 
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
     """A random ``arch`` model with SmolLM2's tokenizer, saved as an HF folder at ``out``."""
-    import torch
-    import transformers
-
-    config_cls, model_cls = _ARCH[arch]
-    params = _tiny_params(**overrides)
-    if arch == "gpt_neox":  # multi-head attention, GELU: no KV-head count, no SiLU
-        del params["num_key_value_heads"]
-        params.setdefault("hidden_act", "gelu")
-    config = getattr(transformers, config_cls)(**params)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-    model.save_pretrained(str(out), safe_serialization=True)
-    tok_dir = smollm2_tokenizer_dir()
-    for f in tok_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
+    return _build_tiny_model(out, arch, seed, cache_dir=CACHE_DIR, **overrides)
 
 
 def build_family_model(
@@ -274,7 +221,7 @@ def build_family_model(
     tok.chat_template = fam.template
     ids = tok.convert_tokens_to_ids
     stops = [ids(fam.eos), *(ids(s) for s in fam.stops)]
-    params = _tiny_params(
+    params = tiny_params(
         vocab_size=-(-len(tok) // 64) * 64,  # padded past the tokenizer, as real models are
         bos_token_id=ids(fam.bos),
         eos_token_id=stops[0],

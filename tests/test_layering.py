@@ -18,6 +18,7 @@ ENTRY_POINTS = {
     "actorlm.schema",
     "actorlm.report",
     "actorlm.serve",
+    "actorlm.testing",  # the pytest plugin: an Engine and any actor, for plugins' tests
 }
 # Pure cores: plain Python over message structs, testable without processes or tensors.
 PURE_CORES = {
