@@ -14,6 +14,7 @@ decode with fp32 arithmetic over bf16 weights and KV (or the GGUF's exact blocks
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,8 @@ def forced_logits(
 
 
 def check(path: Path, quantization: str, prompt: list[int]) -> None:
-    tokens, want = hf_greedy_logits(hf(path, torch.bfloat16), prompt, STEPS)
+    fp32 = hf(path, torch.float32)  # loaded once (a GGUF dequantizes slowly), cast for bf16
+    tokens, want = hf_greedy_logits(copy.deepcopy(fp32).to(torch.bfloat16), prompt, STEPS)
     got = forced_logits(path, quantization, prompt, tokens)
     scale = want.abs().max().item()
     diff = (got - want).abs().max(dim=-1).values
@@ -76,7 +78,7 @@ def check(path: Path, quantization: str, prompt: list[int]) -> None:
     clear = (top2[:, 0] - top2[:, 1]) > 0.02 * scale
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     with torch.inference_mode():
-        ref = hf(path, torch.float32)(input_ids=torch.tensor([prompt + tokens[:-1]])).logits
+        ref = fp32(input_ids=torch.tensor([prompt + tokens[:-1]])).logits
     ref = ref[0, len(prompt) - 1 :].float()
     ours, theirs = (got - ref).abs().max().item(), (want - ref).abs().max().item()
     assert ours <= 1.5 * theirs, (ours, theirs)
