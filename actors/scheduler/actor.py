@@ -34,6 +34,7 @@ from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode, code_for_status
 from ...messages.generate import (
     AbortRequest,
+    FinishReason,
     FinishRequest,
     TokenBatch,
     TokenDelta,
@@ -155,7 +156,7 @@ class SchedulerActor(Actor):
     def _error(msg: TokenizedRequest, message: str, code: ErrorCode) -> TokenDelta:
         return TokenDelta(
             rid=msg.rid,
-            finish_reason="error",
+            finish_reason=FinishReason.ERROR,
             prompt_tokens=len(msg.input_ids),
             error=message,
             error_code=code,

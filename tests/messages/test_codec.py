@@ -15,6 +15,7 @@ from actorlm.messages.envelope import Codec, DecodeError, Envelope, Kind, Messag
 from actorlm.messages.errors import ErrorCode
 from actorlm.messages.generate import (
     ChatMessage,
+    FinishReason,
     GenerateRequest,
     TextBatch,
     TextDelta,
@@ -138,7 +139,7 @@ text_batch = st.builds(
                 ),
                 max_size=2,
             ),
-            finish_reason=st.none() | st.sampled_from(["stop", "length", "abort"]),
+            finish_reason=st.none() | st.sampled_from(list(FinishReason)),
             matched_stop=st.none() | text | small,
             usage=st.none() | st.builds(Usage, small, small, small),
         ),
@@ -228,6 +229,16 @@ def test_msgpack_reads_named_fields() -> None:
     assert body["sampling"]["temperature"] == 0.5 and body["sampling"]["stop"] == ["\n"]
     step = ForwardBatch(step_id=4, seqs=[SeqStep("r1", [1, 2], 0, [9])])
     assert msgpack.unpackb(frames_for(step)[1])["seqs"] == [["r1", [1, 2], 0, [9], True, None]]
+
+
+def test_finish_reasons_travel_as_their_plain_strings() -> None:
+    typed = TokenBatch(items=[TokenDelta(rid="r1", finish_reason=FinishReason.LENGTH)])
+    plain = TokenBatch(items=[TokenDelta(rid="r1", finish_reason="length")])  # type: ignore[arg-type]
+    assert frames_for(typed) == frames_for(plain)
+    assert msgpack.unpackb(frames_for(typed)[1])["items"][0][4] == "length"
+    got = Codec().decode(frames_for(typed))[1]
+    assert isinstance(got, TokenBatch)
+    assert got.items[0].finish_reason is FinishReason.LENGTH
 
 
 dtypes = st.sampled_from(
