@@ -69,7 +69,6 @@ class RequestFailed(Exception):
 
 class ClientActor(Actor):
     role = "client"
-    inbox = (TextBatch,)
 
     def __init__(self, config: EngineConfig, role: str = "") -> None:
         super().__init__(config)

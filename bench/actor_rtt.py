@@ -51,7 +51,6 @@ class Tick(Message, frozen=True, kw_only=True):
 
 class BenchEcho(Actor):
     role = "echo"
-    inbox = (Ping, Tick)
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 class CacheManagerActor(Actor):
     role = "cache_manager"
-    inbox = (CacheStep, FlushCache)
 
     async def on_start(self) -> None:
         self.kv = self._new_cache()

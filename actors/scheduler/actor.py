@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 
 class SchedulerActor(Actor):
     role = "scheduler"
-    inbox = (TokenizedRequest, AbortRequest, FinishRequest, LoraSlotsChanged)
 
     async def on_start(self) -> None:
         model = self.config.model

@@ -112,7 +112,6 @@ class _Live:
 
 class TokenizerActor(Actor):
     role = "tokenizer"
-    inbox = (GenerateRequest, TokenBatch, AbortRequest, GetInfo)
 
     async def on_start(self) -> None:
         from .tokenization import load_tokenizer

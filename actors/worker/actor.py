@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 class WorkerActor(Actor):
     role = "worker"
-    inbox = (ForwardBatch, GetInfo, CompileGrammar, LoadLoraSlot)
 
     async def on_start(self) -> None:
         from ...gpu.grammar.manager import GrammarManager
