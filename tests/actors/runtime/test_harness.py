@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
@@ -269,3 +270,34 @@ def test_bad_frames_leave_the_actor_serving() -> None:
             )  # an empty stream ends with its END marker
 
     run(main())
+
+
+def test_a_failing_on_failure_or_on_stop_is_logged_with_the_role(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Clumsy(Actor):
+        role = "clumsy"
+
+        @handles(Ping)
+        async def on_ping(self, msg: Ping, env: Envelope) -> None:
+            raise RuntimeError("the handler broke")
+
+        async def on_failure(self, exc: BaseException, msg: Message | None) -> None:
+            raise RuntimeError("on_failure broke too")
+
+        async def on_stop(self) -> None:
+            raise RuntimeError("on_stop broke")
+
+    async def main() -> None:
+        async with ActorHarness(Clumsy(EngineConfig())) as harness:
+            with pytest.raises(RemoteError, match="the handler broke"):
+                await harness.request(Ping(payload=b""))
+            await harness.settle()
+
+    with caplog.at_level(logging.ERROR, logger="actorlm.actors.runtime.dispatch"):
+        run(main())
+    logged = {r.getMessage(): r.exc_info for r in caplog.records}
+    assert "clumsy: on_failure failed" in logged and "clumsy: on_stop failed" in logged
+    failure, stop = logged["clumsy: on_failure failed"], logged["clumsy: on_stop failed"]
+    assert failure is not None and "on_failure broke too" in str(failure[1])
+    assert stop is not None and "on_stop broke" in str(stop[1])
