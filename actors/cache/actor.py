@@ -158,8 +158,6 @@ class CacheManagerActor(Actor):
             admitted=admitted,
             extended=extended,
             committed=committed,
-            pages_free=kv.allocator.num_free,
-            pages_total=kv.allocator.num_pages,
             store_pages=stores,
             load_pages=loads,
         )

@@ -330,7 +330,6 @@ class ActorRuntime:
             kind,
             reply_to,
             self.address,
-            None,
             self.incarnation,
             target,
         )
