@@ -26,7 +26,14 @@ from .actors.runtime.supervisor import Launcher
 from .config import EngineConfig
 from .launch import Deployment, config_from_options, load_deployment, resolve_config
 from .messages.errors import ErrorCode, code_for_status
-from .messages.generate import ChatMessage, GenerateRequest, TextDelta, TokenLogprob, Usage
+from .messages.generate import (
+    ChatMessage,
+    FinishReason,
+    GenerateRequest,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 from .messages.sampling import SamplingParams, check_sampling
 
 __all__ = ["Engine", "GenerateOutput"]
@@ -39,7 +46,7 @@ Prompt = str | list[int] | list[dict[str, Any]] | list[ChatMessage]
 class GenerateOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

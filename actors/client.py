@@ -20,7 +20,13 @@ from ..config import EngineConfig
 from ..messages.control import ErrorReply, FlushCache, GetInfo, GetStats, Info, Stats
 from ..messages.envelope import Envelope
 from ..messages.errors import HTTP_STATUS, ErrorCode, code_for_status
-from ..messages.generate import AbortRequest, GenerateRequest, TextBatch, TextDelta
+from ..messages.generate import (
+    AbortRequest,
+    FinishReason,
+    GenerateRequest,
+    TextBatch,
+    TextDelta,
+)
 from ..messages.lora import (
     ListLoraAdapters,
     LoadLoraAdapter,
@@ -63,7 +69,6 @@ class RequestFailed(Exception):
 
 class ClientActor(Actor):
     role = "client"
-    inbox = (TextBatch,)
 
     def __init__(self, config: EngineConfig, role: str = "") -> None:
         super().__init__(config)
@@ -81,7 +86,7 @@ class ClientActor(Actor):
     def fail_all(self, message: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
         for rid, queue in self.streams.items():
             queue.put_nowait(
-                TextDelta(rid=rid, finish_reason="error", error=message, error_code=code)
+                TextDelta(rid=rid, finish_reason=FinishReason.ERROR, error=message, error_code=code)
             )
 
     async def on_peer_down(self, role: str, reason: str) -> None:
@@ -97,7 +102,7 @@ class ClientActor(Actor):
             queue.put_nowait(
                 TextDelta(
                     rid=rid or "",
-                    finish_reason="error",
+                    finish_reason=FinishReason.ERROR,
                     error=error.message,
                     error_code=code_for_status(error.status),
                 )
@@ -121,7 +126,7 @@ class EngineClient:
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[TextDelta, None]:
         """Yield deltas until one has ``finish_reason``. Errors come as a final delta
-        with ``finish_reason="error"``; closing the iterator early aborts the request."""
+        with ``finish_reason=FinishReason.ERROR``; closing the iterator early aborts the request."""
         if req.rid in self.actor.streams:
             raise RequestFailed(
                 f"request id {req.rid!r} is already in flight", ErrorCode.INVALID_REQUEST

@@ -51,7 +51,6 @@ class Tick(Message, frozen=True, kw_only=True):
 
 class BenchEcho(Actor):
     role = "echo"
-    inbox = (Ping, Tick)
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -150,7 +149,7 @@ def _raw_server(inbox: str, outbox: str) -> None:
             if env[3] != 1:  # a one-way send: no reply
                 continue
             body = {"ok": True, "detail": str(seen)}
-        reply = msgpack.packb(["reply", env[1], "echo", 2, env[1], inbox, None])
+        reply = msgpack.packb(["reply", env[1], "echo", 2, env[1], inbox])
         push.send_multipart([reply, msgpack.packb(body)])
     pull.close(0)
     push.close(0)
@@ -188,7 +187,7 @@ class RawPath:
     def call(self, tag: str, body: dict[str, Any], kind: int = 1) -> Any:
         self.push.send_multipart(
             [
-                msgpack.packb([tag, next(self.ids), "client", kind, 0, self.client_addr, None]),
+                msgpack.packb([tag, next(self.ids), "client", kind, 0, self.client_addr]),
                 msgpack.packb(body),
             ]
         )
@@ -223,7 +222,7 @@ class RawPath:
 
     def stop(self) -> None:
         self.push.send_multipart(
-            [msgpack.packb(["stop", 0, "client", 0, 0, "", None]), msgpack.packb({})]
+            [msgpack.packb(["stop", 0, "client", 0, 0, ""]), msgpack.packb({})]
         )
         self.proc.join(10)
         self.push.close(0)

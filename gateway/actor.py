@@ -21,7 +21,7 @@ from aiohttp import web
 from ..actors.client import ClientActor, EngineClient, pipeline_roles
 from ..actors.runtime import ActorError
 from ..config import EngineConfig
-from ..messages.generate import TextDelta
+from ..messages.generate import FinishReason, TextDelta
 from .app import build_app
 from .params import ModelLimits
 from .state import GatewayState
@@ -141,7 +141,7 @@ class GatewayActor(ClientActor):
         for rid in rids:
             queue = self.streams.get(rid)
             if queue is not None:
-                queue.put_nowait(TextDelta(rid=rid, finish_reason="abort"))
+                queue.put_nowait(TextDelta(rid=rid, finish_reason=FinishReason.ABORT))
         client = self.state.client
         if client is not None:
             await asyncio.gather(*(client.abort(rid) for rid in rids), return_exceptions=True)

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ..messages.generate import TextDelta
+from ..messages.generate import FinishReason, TextDelta
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics", "RequestTrace"]
 
@@ -177,7 +177,7 @@ class RequestTrace:
                 self.metrics.generation_tokens.inc(delta.usage.completion_tokens)
                 self.metrics.cached_tokens.inc(delta.usage.cached_tokens)
 
-    def finish(self, reason: str, now: float | None = None) -> None:
+    def finish(self, reason: FinishReason, now: float | None = None) -> None:
         """Record the end once; a request cut short (disconnect) ends as ``abort``."""
         if self.done:
             return

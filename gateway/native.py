@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ..messages.generate import GenerateRequest, TextDelta, TokenLogprob
+from ..messages.generate import FinishReason, GenerateRequest, TextDelta, TokenLogprob
 from ..messages.sampling import SamplingParams
 from .body import read_json
 from .errors import ApiError
@@ -91,9 +91,9 @@ class NativeOutput:
         usage = last.usage if last is not None else None
         if last is not None and last.finish_reason is not None:
             finish = {"type": last.finish_reason}
-            if last.finish_reason == "stop":
+            if last.finish_reason == FinishReason.STOP:
                 finish["matched"] = last.matched_stop
-            elif last.finish_reason == "length":
+            elif last.finish_reason == FinishReason.LENGTH:
                 finish["length"] = len(self.ids)
         meta: dict[str, Any] = {
             "id": self.rid,
@@ -122,7 +122,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     async with state.fanout(job.reqs) as fan:
         sse: SseWriter | None = None
         async for index, delta in fan:
-            if delta.finish_reason == "error":
+            if delta.finish_reason == FinishReason.ERROR:
                 if sse is None:
                     raise delta_error(delta)
                 await sse.send(delta_error(delta).payload())
@@ -223,7 +223,7 @@ async def health_generate(request: web.Request) -> web.Response:
     async def one_token() -> None:
         async with Fanout(client, [req], state.metrics) as fan:
             async for _index, delta in fan:
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     raise ApiError(
                         503,
                         f"health check failed: {delta.error}",

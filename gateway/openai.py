@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..messages.generate import TextDelta, TokenLogprob, Usage
+from ..messages.generate import FinishReason, TextDelta, TokenLogprob, Usage
 from .body import read_json
 from .lora import adapter_cards
 from .openai_parse import Job, parse_chat, parse_completion
@@ -74,7 +74,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     chars: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
     started: bool = False  # chat streams: the role chunk was sent
     reasoning: list[str] = field(default_factory=list)
@@ -133,14 +133,14 @@ def full_response(job: Job, choices: list[Choice]) -> dict[str, Any]:
                 else None
             )
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-            finish = c.finish_reason
+            finish: str | None = c.finish_reason  # OpenAI's own: tool_calls besides ours
             if job.reasoning:
                 message["reasoning_content"] = "".join(c.reasoning) or None
             if job.tools is not None:
                 content, calls = parse_tool_calls(job.tools, text)
                 if calls:
                     message["content"], message["tool_calls"] = content, calls
-                    finish = "tool_calls" if finish == "stop" else finish
+                    finish = "tool_calls" if finish == FinishReason.STOP else finish
             rendered.append(
                 {"index": c.index, "message": message, "logprobs": lps, "finish_reason": finish}
             )
@@ -155,7 +155,7 @@ def full_response(job: Job, choices: list[Choice]) -> dict[str, Any]:
 
 def chunk(job: Job, choice: Choice, delta: TextDelta, *, role: bool = False) -> dict[str, Any]:
     """One streamed chunk for ``delta`` of ``choice`` (``choice`` already includes it)."""
-    finish = delta.finish_reason
+    finish: str | None = delta.finish_reason  # OpenAI adds tool_calls
     lp_items = delta.logprobs or []
     if job.kind == "completion":
         obj = _envelope(job, "text_completion")
@@ -176,7 +176,7 @@ def chunk(job: Job, choice: Choice, delta: TextDelta, *, role: bool = False) -> 
             if calls:
                 content["tool_calls"] = calls
                 choice.called = True
-            if finish == "stop" and choice.called:
+            if finish == FinishReason.STOP and choice.called:
                 finish = "tool_calls"
         if text:
             content["content"] = text
@@ -202,13 +202,13 @@ async def run_job(request: web.Request, state: GatewayState, job: Job) -> web.St
     async with state.fanout(job.reqs) as fan:
         if not job.stream:
             async for index, delta in fan:
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     raise delta_error(delta)
                 choices[index].add(delta)
             return web.json_response(full_response(job, choices))
         sse: SseWriter | None = None
         async for index, delta in fan:
-            if delta.finish_reason == "error":
+            if delta.finish_reason == FinishReason.ERROR:
                 if sse is None:
                     raise delta_error(delta)  # nothing sent yet: a plain HTTP error
                 await sse.send(delta_error(delta).payload())

@@ -22,7 +22,7 @@ from aiohttp import web
 from ..actors.client import EngineClient, RequestFailed
 from ..actors.runtime import ActorError
 from ..messages.errors import HTTP_STATUS, ErrorCode, code_for_status
-from ..messages.generate import GenerateRequest, TextDelta
+from ..messages.generate import FinishReason, GenerateRequest, TextDelta
 from .errors import ApiError
 from .metrics import GatewayMetrics
 
@@ -109,17 +109,17 @@ class Fanout:
                     trace.on_delta(delta)
                     self.queue.put_nowait((index, delta))
         except asyncio.CancelledError:
-            trace.finish("abort")
+            trace.finish(FinishReason.ABORT)
             raise
         except Exception as exc:
             err = failure_error(exc)
-            trace.finish("error")
+            trace.finish(FinishReason.ERROR)
             self.queue.put_nowait(
                 (
                     index,
                     TextDelta(
                         rid=req.rid,
-                        finish_reason="error",
+                        finish_reason=FinishReason.ERROR,
                         error=err.message,
                         error_code=_code(err),
                     ),

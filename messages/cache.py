@@ -77,8 +77,6 @@ class CacheStepResult(Message, frozen=True, kw_only=True):
     admitted: list[Admitted] = []  # in admission order; the rest stay waiting
     extended: dict[str, list[int]] = {}  # rid → new pages; a missing rid was refused
     committed: dict[str, list[int]] = {}  # rid → its page table after sharing
-    pages_free: int = 0
-    pages_total: int = 0
     # HiCache storage tier: pages the worker saves, and pages it loads for the admitted.
     store_pages: list[PageIO] = []
     load_pages: list[PageIO] = []

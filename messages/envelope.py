@@ -40,7 +40,6 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     kind: int = Kind.SEND
     reply_to: int = 0  # the id of the request this answers
     reply_addr: str = ""  # where the sender receives (lets actors outside the book join)
-    trace: dict[str, str] | None = None  # e.g. W3C traceparent
     incarnation: int = 0  # the sender's: a fresh id each time an actor starts
     to_incarnation: int = 0  # the receiver's, as the sender knows it (0: any)
 

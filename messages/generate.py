@@ -6,6 +6,7 @@ so the message count per step does not grow with the batch size.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, ClassVar
 
 import msgspec
@@ -18,6 +19,7 @@ from .step import TopLogprob
 __all__ = [
     "AbortRequest",
     "ChatMessage",
+    "FinishReason",
     "FinishRequest",
     "GenerateRequest",
     "TextBatch",
@@ -28,6 +30,16 @@ __all__ = [
     "TokenizedRequest",
     "Usage",
 ]
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request's output ended, on its last delta. A ``str``, so it travels and
+    renders (msgpack, JSON, metric labels) as its value."""
+
+    STOP = "stop"  # an EOS or stop token, or a stop string matched
+    LENGTH = "length"  # max_new_tokens or the model's context reached
+    ABORT = "abort"  # the client went away or asked to stop
+    ERROR = "error"  # failed: the delta's ``error`` and ``error_code`` say why
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -76,7 +88,7 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     token_ids: list[int] = []
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
@@ -111,7 +123,7 @@ class TextDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     text: str = ""
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     usage: Usage | None = None
     error: str | None = None
@@ -132,7 +144,7 @@ class AbortRequest(Message, frozen=True, kw_only=True):
 
     TAG: ClassVar[str] = "gen.abort"
     rid: str
-    reason: str = "abort"
+    reason: FinishReason = FinishReason.ABORT
 
 
 class FinishRequest(Message, frozen=True, kw_only=True):
@@ -140,4 +152,4 @@ class FinishRequest(Message, frozen=True, kw_only=True):
 
     TAG: ClassVar[str] = "gen.finish"
     rid: str
-    reason: str = "stop"
+    reason: FinishReason = FinishReason.STOP

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 class CacheManagerActor(Actor):
     role = "cache_manager"
-    inbox = (CacheStep, FlushCache)
 
     async def on_start(self) -> None:
         self.kv = self._new_cache()
@@ -159,8 +158,6 @@ class CacheManagerActor(Actor):
             admitted=admitted,
             extended=extended,
             committed=committed,
-            pages_free=kv.allocator.num_free,
-            pages_total=kv.allocator.num_pages,
             store_pages=stores,
             load_pages=loads,
         )

@@ -211,8 +211,6 @@ class KVCacheManager:
         self._drop(req, set())
         return True
 
-    abort = release
-
     # ---- whole-cache operations -------------------------------------------
 
     def flush(self) -> FlushResult:

@@ -76,7 +76,6 @@ def slot_messages(slot: int, weights: AdapterWeights) -> list[LoadLoraSlot]:
 
 class LoraLoaderActor(Actor):
     role = "lora_loader"
-    inbox = (LoadLoraAdapter, UnloadLoraAdapter, ListLoraAdapters, LoraStep)
 
     async def on_start(self) -> None:
         cfg = self.config.lora

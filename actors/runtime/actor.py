@@ -1,10 +1,10 @@
 """The Actor base class: what an actor declares and what it can do.
 
-An actor declares the messages it accepts and a handler for each::
+An actor declares the messages it accepts by its handlers: each ``@handles``
+method names the types it takes, and those types are the actor's ``inbox``::
 
     class Echo(Actor):
         role = "echo"
-        inbox = (Ping,)
 
         @handles(Ping)
         async def on_ping(self, msg: Ping, env: Envelope) -> Pong:
@@ -47,7 +47,11 @@ def handles(*types: type[Message]) -> Callable[[T], T]:
 
 
 class Actor:
-    """Base class: subclasses set ``role`` and ``inbox`` and decorate handlers."""
+    """Base class: subclasses set ``role`` and decorate handlers (``@handles``).
+
+    ``handlers`` (message type → method name) and ``inbox`` (the types accepted) are
+    derived from the decorated methods, the base classes' included; a subclass's
+    handler for a type replaces its base's."""
 
     role: ClassVar[str] = ""
     inbox: ClassVar[tuple[type[Message], ...]] = ()
@@ -55,12 +59,26 @@ class Actor:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "inbox" in vars(cls):
+            # A second list beside the handlers would only drift from them.
+            raise TypeError(
+                f"{cls.__qualname__} sets inbox: an actor's inbox is the types its "
+                "@handles methods name; drop the tuple"
+            )
         table: dict[type[Message], str] = {}
         for klass in reversed(cls.__mro__):
+            own: dict[type[Message], str] = {}
             for name, fn in vars(klass).items():
                 for typ in getattr(fn, "_actorlm_handles", ()):
-                    table[typ] = name
+                    if typ in own:  # one of the two would never run
+                        raise TypeError(
+                            f"{klass.__qualname__} handles {typ.__name__} twice: "
+                            f"{own[typ]} and {name}"
+                        )
+                    own[typ] = name
+            table.update(own)
         cls.handlers = table
+        cls.inbox = tuple(table)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

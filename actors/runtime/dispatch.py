@@ -58,6 +58,7 @@ from .transport import Inbox, Outbox, Transport
 
 __all__ = [
     "RESTARTED",
+    "RUNTIME_MESSAGES",
     "Actor",
     "ActorDied",
     "ActorError",
@@ -73,6 +74,8 @@ Builtin = Callable[[Envelope, Any], Awaitable[None]]
 Inbound = tuple[Envelope, Message] | DecodeError | Change  # what waits in the slow lane
 # Messages only the supervisor may send: from anyone else they are dropped and logged.
 _SUPERVISOR_ONLY = (PeerDown, PeerUp, Shutdown)
+# Messages the runtime answers itself, before any handler: an actor's own never runs.
+RUNTIME_MESSAGES: tuple[type[Message], ...] = (*_SUPERVISOR_ONLY, Heartbeat)
 
 
 # The ``reason`` an actor's on_peer_down gets when the peer came back as a new
@@ -327,7 +330,6 @@ class ActorRuntime:
             kind,
             reply_to,
             self.address,
-            None,
             self.incarnation,
             target,
         )
@@ -554,7 +556,7 @@ class ActorRuntime:
     def _builtin_table(self) -> dict[type[Message], Builtin]:
         """Messages every actor understands, answered by the runtime itself
         (Ping and GetStats only where the actor has no handler of its own)."""
-        table: dict[type[Message], Builtin] = {
+        table: dict[type[Message], Builtin] = {  # RUNTIME_MESSAGES, and Ping, GetStats
             PeerDown: lambda env, msg: self._peer_down(msg),
             PeerUp: lambda env, msg: self._peer_up(msg),
             Shutdown: self._shutdown,

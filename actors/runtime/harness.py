@@ -58,7 +58,15 @@ from ...extensions.interceptors import Interceptor, InterceptorChain, Reject
 from ...messages.base import Message
 from ...messages.control import Ack, ErrorReply, PeerDown, PeerUp
 from ...messages.envelope import Codec, Envelope, Kind
-from .dispatch import Actor, ActorError, ActorRuntime, RemoteError, RequestTimeout, RuntimeOptions
+from .dispatch import (
+    RUNTIME_MESSAGES,
+    Actor,
+    ActorError,
+    ActorRuntime,
+    RemoteError,
+    RequestTimeout,
+    RuntimeOptions,
+)
 from .transport import Frames, MemoryTransport
 
 __all__ = ["ActorHarness", "Sent", "check_inbox"]
@@ -68,12 +76,16 @@ SUPERVISOR = "supervisor"
 
 
 def check_inbox(actor_cls: type[Actor]) -> None:
-    """Raise AssertionError unless every type in ``actor_cls.inbox`` has a handler."""
-    missing = [t.__name__ for t in actor_cls.inbox if t not in actor_cls.handlers]
-    if missing:
-        raise AssertionError(
-            f"{actor_cls.__name__} declares {', '.join(missing)} in its inbox without a handler"
-        )
+    """Raise AssertionError unless every handler of ``actor_cls`` can run: the type it
+    takes has a wire tag (one without cannot be decoded) and is not answered by the
+    runtime itself (``RUNTIME_MESSAGES``)."""
+    dead = [
+        f"{name} ({t.__name__}: {'no TAG' if not t.TAG else 'the runtime answers it'})"
+        for t, name in actor_cls.handlers.items()
+        if not t.TAG or t in RUNTIME_MESSAGES
+    ]
+    if dead:
+        raise AssertionError(f"{actor_cls.__name__} has handlers that never run: {', '.join(dead)}")
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,6 @@ class _Member:
 
 class _SupervisorActor(Actor):
     role = "supervisor"
-    inbox = (Ready,)
 
     def __init__(self, config: EngineConfig, launcher: Launcher) -> None:
         super().__init__(config)

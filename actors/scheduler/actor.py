@@ -34,6 +34,7 @@ from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode, code_for_status
 from ...messages.generate import (
     AbortRequest,
+    FinishReason,
     FinishRequest,
     TokenBatch,
     TokenDelta,
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 
 class SchedulerActor(Actor):
     role = "scheduler"
-    inbox = (TokenizedRequest, AbortRequest, FinishRequest, LoraSlotsChanged)
 
     async def on_start(self) -> None:
         model = self.config.model
@@ -155,7 +155,7 @@ class SchedulerActor(Actor):
     def _error(msg: TokenizedRequest, message: str, code: ErrorCode) -> TokenDelta:
         return TokenDelta(
             rid=msg.rid,
-            finish_reason="error",
+            finish_reason=FinishReason.ERROR,
             prompt_tokens=len(msg.input_ids),
             error=message,
             error_code=code,

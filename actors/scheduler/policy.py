@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from ...config import DEFAULT_MAX_PREFILL_TOKENS, SchedulerConfig
 from ...messages.cache import AdmitOp, CacheStep, CacheStepResult, CommitOp, ExtendOp, FinishOp
 from ...messages.errors import ErrorCode
-from ...messages.generate import TokenDelta, TokenizedRequest
+from ...messages.generate import FinishReason, TokenDelta, TokenizedRequest
 from ...messages.sampling import SamplingParams
 from ...messages.step import (
     PENDING_TOKEN,
@@ -192,7 +192,7 @@ class BatchPlanner:
             queued_at=self.clock(),
         )
         if msg.sampling.max_new_tokens == 0:
-            self._deltas.append(self._delta(req, [], "length"))
+            self._deltas.append(self._delta(req, [], FinishReason.LENGTH))
             return None
         if sp.constraint is not None:
             self.compiling[msg.rid] = req
@@ -213,9 +213,11 @@ class BatchPlanner:
         """``rid``'s constraint cannot be served: it ends with that error, alone."""
         req = self.compiling.pop(rid, None)
         if req is not None:
-            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
+            self._deltas.append(self._delta(req, [], FinishReason.ERROR, error=message, code=code))
 
-    def abort(self, rid: str, reason: str = "abort", *, notify: bool = True) -> bool:
+    def abort(
+        self, rid: str, reason: FinishReason = FinishReason.ABORT, *, notify: bool = True
+    ) -> bool:
         req = self.waiting.pop(rid, None) or self.compiling.pop(rid, None)
         if req is None:
             req = self.running.pop(rid, None)
@@ -232,7 +234,7 @@ class BatchPlanner:
         """End every running (and waiting) request with an error; their KV is not cached."""
         queued = [*self.waiting.values(), *self.compiling.values()] if waiting else []
         for req in list(self.running.values()) + queued:
-            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
+            self._deltas.append(self._delta(req, [], FinishReason.ERROR, error=message, code=code))
             if req.rid in self.running:
                 self._releases.append(req.rid)
                 self._worker_release.append(req.rid)
@@ -260,7 +262,7 @@ class BatchPlanner:
                 f"(--max-queue-time-s {max_wait:g}); the server is overloaded"
             )
             self._deltas.append(
-                self._delta(req, [], "error", error=message, code=ErrorCode.OVERLOADED)
+                self._delta(req, [], FinishReason.ERROR, error=message, code=ErrorCode.OVERLOADED)
             )
         return len(late)
 
@@ -536,7 +538,7 @@ class BatchPlanner:
         """End running ``rid`` with an error; its pages go back uncached."""
         req = self.running.pop(rid, None)
         if req is not None:
-            self._deltas.append(self._delta(req, [], "error", error=message, code=code))
+            self._deltas.append(self._delta(req, [], FinishReason.ERROR, error=message, code=code))
             if req.ahead:  # a step in flight still writes into its pages
                 req.zombie, req.zombie_cache = True, False
                 self._zombies[rid] = req
@@ -556,12 +558,12 @@ class BatchPlanner:
         self._finish_pages(req, cache=True)
 
     # -- helpers ----------------------------------------------------------------
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         sp = req.params
         if token in req.stop_ids and req.num_output >= sp.min_new_tokens:
-            return "stop"
+            return FinishReason.STOP
         if req.num_output >= sp.max_new_tokens or len(req.ids) >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _finish_pages(self, req: Req, cache: bool) -> None:
@@ -575,7 +577,7 @@ class BatchPlanner:
         self,
         req: Req,
         tokens: list[int],
-        reason: str | None,
+        reason: FinishReason | None,
         *,
         logprobs: list[float] | None = None,
         top: list[list[TopLogprob]] | None = None,

@@ -21,6 +21,7 @@ from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode, code_for_status
 from ...messages.generate import (
     AbortRequest,
+    FinishReason,
     FinishRequest,
     GenerateRequest,
     TextBatch,
@@ -111,7 +112,6 @@ class _Live:
 
 class TokenizerActor(Actor):
     role = "tokenizer"
-    inbox = (GenerateRequest, TokenBatch, AbortRequest, GetInfo)
 
     async def on_start(self) -> None:
         from .tokenization import load_tokenizer
@@ -178,7 +178,9 @@ class TokenizerActor(Actor):
             await self._fail(reply_to, req.rid, f"tokenizing failed: {exc!r}", ErrorCode.INTERNAL)
             return
         if req.rid not in self.tokenizing:  # aborted while we tokenized
-            await self._fail(reply_to, req.rid, "", None, reason="abort", prompt_tokens=len(ids))
+            await self._fail(
+                reply_to, req.rid, "", None, reason=FinishReason.ABORT, prompt_tokens=len(ids)
+            )
             return
         self.tokenizing.discard(req.rid)
         self.live[req.rid] = _Live(
@@ -295,7 +297,7 @@ class TokenizerActor(Actor):
         message: str,
         code: ErrorCode | None,
         *,
-        reason: str = "error",
+        reason: FinishReason = FinishReason.ERROR,
         prompt_tokens: int = 0,
     ) -> None:
         delta = TextDelta(
@@ -381,7 +383,7 @@ class TokenizerActor(Actor):
                 live = self.live.pop(rid)
                 self.sent.pop(live.msg_id, None)
                 try:
-                    await self.send("scheduler", AbortRequest(rid=rid, reason="abort"))
+                    await self.send("scheduler", AbortRequest(rid=rid, reason=FinishReason.ABORT))
                 except ActorError as exc:
                     log.warning("cannot abort %s: %s", rid, exc)
             return

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from actorlm.messages.generate import TokenLogprob
+from actorlm.messages.generate import FinishReason, TokenLogprob
 from actorlm.messages.sampling import SamplingParams
 from actorlm.messages.step import TopLogprob
 
@@ -208,7 +208,7 @@ class StreamText:
     """
 
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     stop_string_hit: bool = False
 
@@ -232,11 +232,13 @@ class TextStream:
         self.stop_token_ids: frozenset[int] = frozenset(sampling.stop_token_ids) | eos
         self.finished = False
 
-    def step(self, token_ids: Sequence[int], finish_reason: str | None = None) -> StreamText:
+    def step(
+        self, token_ids: Sequence[int], finish_reason: FinishReason | None = None
+    ) -> StreamText:
         return stream_batch([self], [token_ids], [finish_reason])[0]
 
     def _after_decode(
-        self, text: str, finish_reason: str | None, stop_token: int | None
+        self, text: str, finish_reason: FinishReason | None, stop_token: int | None
     ) -> StreamText:
         out = self.stops.push(text)
         if self.stops.matched is None and finish_reason is not None:
@@ -245,7 +247,7 @@ class TextStream:
                 out += self.stops.flush()
         if self.stops.matched is not None:
             self.finished = True
-            return StreamText(out, "stop", self.stops.matched, stop_string_hit=True)
+            return StreamText(out, FinishReason.STOP, self.stops.matched, stop_string_hit=True)
         if finish_reason is None:
             return StreamText(out)
         self.finished = True
@@ -255,7 +257,7 @@ class TextStream:
 def stream_batch(
     streams: Sequence[TextStream],
     token_ids: Sequence[Sequence[int]],
-    finish_reasons: Sequence[str | None],
+    finish_reasons: Sequence[FinishReason | None],
 ) -> list[StreamText]:
     """One ``TokenBatch`` step for many requests; finished streams yield empty text."""
     live: list[int] = []
@@ -265,7 +267,7 @@ def stream_batch(
         if s.finished:
             continue
         stop_token = None
-        if reason == "stop" and ids and ids[-1] in s.stop_token_ids:
+        if reason == FinishReason.STOP and ids and ids[-1] in s.stop_token_ids:
             stop_token, ids = ids[-1], ids[:-1]
         live.append(k)
         ids_to_render.append(ids)

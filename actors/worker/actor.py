@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 class WorkerActor(Actor):
     role = "worker"
-    inbox = (ForwardBatch, GetInfo, CompileGrammar, LoadLoraSlot)
 
     async def on_start(self) -> None:
         from ...gpu.grammar.manager import GrammarManager
@@ -69,7 +68,9 @@ class WorkerActor(Actor):
         return {**msgspec.to_builtins(self.runner.info), "platform": current_platform().describe()}
 
     async def on_stop(self) -> None:
-        self.grammars.close()
+        grammars = getattr(self, "grammars", None)  # None: on_start was interrupted first
+        if grammars is not None:
+            grammars.close()
 
     def stats(self) -> dict[str, Any]:
         corrupt = getattr(self.storage, "corrupt", 0)

@@ -1,4 +1,5 @@
-"""Pure PyTorch attention over the paged KV pool: works on any device, the CPU default.
+"""Pure PyTorch attention over the paged KV pool: the reference backend, on any device.
+The CPU default is the ``cpu`` backend, built on this one (its decodes run in a C kernel).
 
 Per step, sequences split into two groups:
 

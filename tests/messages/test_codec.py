@@ -15,6 +15,7 @@ from actorlm.messages.envelope import Codec, DecodeError, Envelope, Kind, Messag
 from actorlm.messages.errors import ErrorCode
 from actorlm.messages.generate import (
     ChatMessage,
+    FinishReason,
     GenerateRequest,
     TextBatch,
     TextDelta,
@@ -138,7 +139,7 @@ text_batch = st.builds(
                 ),
                 max_size=2,
             ),
-            finish_reason=st.none() | st.sampled_from(["stop", "length", "abort"]),
+            finish_reason=st.none() | st.sampled_from(list(FinishReason)),
             matched_stop=st.none() | text | small,
             usage=st.none() | st.builds(Usage, small, small, small),
         ),
@@ -162,7 +163,6 @@ envelopes = st.builds(
     st.sampled_from(list(Kind)).map(int),
     ints,
     text,
-    st.none() | st.dictionaries(text, text, max_size=2),
     ints,
     ints,
 )
@@ -199,7 +199,7 @@ def test_real_messages_round_trip(msg: Message, env: Envelope) -> None:
 @given(msg=messages)
 def test_the_wire_is_plain_msgpack(msg: Message) -> None:
     env_frame, body = frames_for(
-        msg, Envelope("", 7, "gateway", Kind.REQUEST, 3, "ipc:///tmp/gw.sock", None, 11, 12)
+        msg, Envelope("", 7, "gateway", Kind.REQUEST, 3, "ipc:///tmp/gw.sock", 11, 12)
     )
     assert msgpack.unpackb(env_frame) == [
         msg.TAG,
@@ -208,7 +208,6 @@ def test_the_wire_is_plain_msgpack(msg: Message) -> None:
         Kind.REQUEST,
         3,
         "ipc:///tmp/gw.sock",
-        None,
         11,  # the sender's incarnation
         12,  # the receiver's, as the sender knows it
     ]
@@ -228,6 +227,16 @@ def test_msgpack_reads_named_fields() -> None:
     assert body["sampling"]["temperature"] == 0.5 and body["sampling"]["stop"] == ["\n"]
     step = ForwardBatch(step_id=4, seqs=[SeqStep("r1", [1, 2], 0, [9])])
     assert msgpack.unpackb(frames_for(step)[1])["seqs"] == [["r1", [1, 2], 0, [9], True, None]]
+
+
+def test_finish_reasons_travel_as_their_plain_strings() -> None:
+    typed = TokenBatch(items=[TokenDelta(rid="r1", finish_reason=FinishReason.LENGTH)])
+    plain = TokenBatch(items=[TokenDelta(rid="r1", finish_reason="length")])  # type: ignore[arg-type]
+    assert frames_for(typed) == frames_for(plain)
+    assert msgpack.unpackb(frames_for(typed)[1])["items"][0][4] == "length"
+    got = Codec().decode(frames_for(typed))[1]
+    assert isinstance(got, TokenBatch)
+    assert got.items[0].finish_reason is FinishReason.LENGTH
 
 
 dtypes = st.sampled_from(
@@ -302,12 +311,12 @@ def test_frames_built_with_msgpack_alone_decode() -> None:
             int(Kind.REQUEST),
             0,
             "tcp://h:1",
-            {"traceparent": "00-a"},
+            77,
         ]
     )
     body = msgpack.packb({"step_id": 1, "seqs": [["r", [5, 6], 0, [1]], ["s", [7], 3, [2], False]]})
     got_env, step = codec.decode([env, body])
-    assert got_env.trace == {"traceparent": "00-a"} and got_env.kind == Kind.REQUEST
+    assert got_env.incarnation == 77 and got_env.kind == Kind.REQUEST
     assert step == ForwardBatch(
         step_id=1, seqs=[SeqStep("r", [5, 6], 0, [1]), SeqStep("s", [7], 3, [2], False)]
     )

@@ -29,7 +29,6 @@ from .conftest import plugin_env, read_records
 
 class Worker(Actor):
     role = "worker"
-    inbox = (LoadLoraSlot,)
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -42,7 +41,6 @@ class Worker(Actor):
 
 class Scheduler(Actor):
     role = "scheduler"
-    inbox = (LoraSlotsChanged,)
 
     @handles(LoraSlotsChanged)
     async def on_changed(self, msg: LoraSlotsChanged, env: Envelope) -> None:

@@ -37,7 +37,6 @@ class Boom(Message, frozen=True, kw_only=True):
 
 class EchoActor(Actor):
     role = "echo"
-    inbox = (Ping, Count, Sleep, Boom)
 
     @handles(Ping)
     async def on_ping(self, msg: Ping, env: Envelope) -> Pong:
@@ -91,7 +90,6 @@ class RelayActor(Actor):
     """An actor that talks to peers: the harness tests play those peers."""
 
     role = "relay"
-    inbox = (Ask, Gather, Count)
 
     def __init__(self, config: object = None) -> None:
         super().__init__(config)  # type: ignore[arg-type]

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
 import pytest
+from actorlm.actors.roles import ACTOR_ROLES
 from actorlm.actors.runtime import Actor, RemoteError, handles
 from actorlm.actors.runtime.harness import ActorHarness, check_inbox
 from actorlm.config import EngineConfig
 from actorlm.extensions.interceptors import DROP, InterceptContext, Interceptor, Reject
-from actorlm.messages.control import Ack, Ping, Pong
+from actorlm.messages.base import Message
+from actorlm.messages.control import Ack, Ping, Pong, Shutdown
 from actorlm.messages.envelope import Envelope, Kind
 
 from tests.actors.runtime.echo import Ask, Count, EchoActor, Gather, Item, RelayActor
@@ -21,20 +24,71 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_every_declared_inbox_type_has_a_handler() -> None:
+@pytest.mark.parametrize(
+    "role", ["tokenizer", "scheduler", "cache_manager", "worker", "lora_loader", "gateway"]
+)
+def test_every_builtin_handler_can_run(role: str) -> None:
+    check_inbox(ACTOR_ROLES.get(role))
+
+
+def test_every_handler_can_run() -> None:
     check_inbox(EchoActor)
     check_inbox(RelayActor)
 
-    class Forgetful(Actor):
-        role = "forgetful"
-        inbox = (Ping, Count)
+    class Untagged(Message, frozen=True, kw_only=True):
+        n: int = 0
+
+    class Deaf(Actor):
+        role = "deaf"
 
         @handles(Ping)
         async def on_ping(self, msg: Ping, env: Envelope) -> None:
             return None
 
-    with pytest.raises(AssertionError, match="Count"):
-        check_inbox(Forgetful)
+        @handles(Shutdown)  # the runtime answers Shutdown itself
+        async def on_shutdown(self, msg: Shutdown, env: Envelope) -> None:
+            return None
+
+        @handles(Untagged)  # no TAG: it never decodes
+        async def on_untagged(self, msg: Untagged, env: Envelope) -> None:
+            return None
+
+    with pytest.raises(AssertionError, match="on_shutdown .*on_untagged") as err:
+        check_inbox(Deaf)
+    assert "on_ping" not in str(err.value)
+
+
+def test_the_handlers_are_the_one_declaration() -> None:
+    class Base(Actor):
+        role = "base"
+
+        @handles(Ping, Count)
+        async def on_either(self, msg: Message, env: Envelope) -> None:
+            return None
+
+    class Child(Base):
+        @handles(Count)
+        async def on_count(self, msg: Count, env: Envelope) -> None:
+            return None
+
+    assert Base.inbox == (Ping, Count) and Child.inbox == (Ping, Count)
+    assert Child.handlers == {Ping: "on_either", Count: "on_count"}  # the child's replaces
+
+    with pytest.raises(TypeError, match="inbox"):
+
+        class Listed(Actor):
+            inbox = (Ping,)
+
+    with pytest.raises(TypeError, match="Ping twice"):
+
+        class Twice(Actor):
+            @handles(Ping)
+            async def a(self, msg: Ping, env: Envelope) -> None:
+                return None
+
+            @handles(Ping)
+            async def b(self, msg: Ping, env: Envelope) -> None:
+                return None
 
 
 def test_lifecycle_hooks_run_on_enter_and_exit() -> None:
@@ -216,3 +270,34 @@ def test_bad_frames_leave_the_actor_serving() -> None:
             )  # an empty stream ends with its END marker
 
     run(main())
+
+
+def test_a_failing_on_failure_or_on_stop_is_logged_with_the_role(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Clumsy(Actor):
+        role = "clumsy"
+
+        @handles(Ping)
+        async def on_ping(self, msg: Ping, env: Envelope) -> None:
+            raise RuntimeError("the handler broke")
+
+        async def on_failure(self, exc: BaseException, msg: Message | None) -> None:
+            raise RuntimeError("on_failure broke too")
+
+        async def on_stop(self) -> None:
+            raise RuntimeError("on_stop broke")
+
+    async def main() -> None:
+        async with ActorHarness(Clumsy(EngineConfig())) as harness:
+            with pytest.raises(RemoteError, match="the handler broke"):
+                await harness.request(Ping(payload=b""))
+            await harness.settle()
+
+    with caplog.at_level(logging.ERROR, logger="actorlm.actors.runtime.dispatch"):
+        run(main())
+    logged = {r.getMessage(): r.exc_info for r in caplog.records}
+    assert "clumsy: on_failure failed" in logged and "clumsy: on_stop failed" in logged
+    failure, stop = logged["clumsy: on_failure failed"], logged["clumsy: on_stop failed"]
+    assert failure is not None and "on_failure broke too" in str(failure[1])
+    assert stop is not None and "on_stop broke" in str(stop[1])

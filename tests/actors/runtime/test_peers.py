@@ -63,7 +63,6 @@ class FakePeer:
             kind,
             reply_to,
             self.address,
-            None,
             self.incarnation,
             to,
         )

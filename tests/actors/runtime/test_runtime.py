@@ -53,8 +53,9 @@ async def cluster(
         await launcher.stop()
 
 
-def test_every_declared_message_has_a_handler() -> None:
-    assert set(EchoActor.inbox) <= set(EchoActor.handlers)
+def test_the_inbox_is_what_the_handlers_take() -> None:
+    assert EchoActor.inbox == (Ping, Count, Sleep, Boom)
+    assert EchoActor.handlers[Count] == "on_count"
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
