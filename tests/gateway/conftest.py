@@ -124,3 +124,16 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     args = ("--max-queued-requests", str(MAX_QUEUED), "--drain-timeout-s", "10")
     with running_server(tiny_llama, log, *args) as srv:
         yield srv
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``stops_shared_server`` run after every other gateway test: they stop
+    the package's shared ``server`` (file order would put test_structured_output.py and
+    test_tools.py after test_shutdown.py)."""
+    last = [item for item in items if item.get_closest_marker("stops_shared_server")]
+    if not last:
+        return
+    rest = [item for item in items if item not in last]
+    gateway = [k for k, item in enumerate(rest) if "tests/gateway/" in item.nodeid]
+    at = gateway[-1] + 1 if gateway else len(rest)
+    items[:] = rest[:at] + last + rest[at:]

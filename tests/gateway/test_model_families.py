@@ -52,7 +52,7 @@ def served(
         path = family_model_factory(name)
     log = tmp_path_factory.mktemp(f"serve-{name}") / "serve.log"
     # fp32 weights as loaded: greedy tokens comparable with transformers' on any CPU
-    with running_server(path, log, "--quantization", "none") as srv:
+    with running_server(path, log, "--quantization", "none", "--dtype", "float32") as srv:
         yield name, path, srv
 
 

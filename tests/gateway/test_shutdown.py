@@ -1,6 +1,7 @@
 """SIGTERM: the stream in flight finishes (drain), then every actor process is gone.
 
-Runs last (file order): it stops the package's shared server.
+Runs after every other gateway test (``stops_shared_server``): it stops the package's
+shared server.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from .conftest import Server, alive, child_pids
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.stops_shared_server]
 
 
 def test_sigterm_drains_then_exits_without_orphans(server: Server) -> None:
