@@ -52,8 +52,8 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
 def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
     """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2) as step weights."""
     info = model.info
-    if any(model.layer_windows) or len(model.ropes) != 1 or info.final_logit_softcapping:
-        return None  # the kernel attends to the whole context with one RoPE table
+    if len(model.ropes) != 1 or info.final_logit_softcapping:
+        return None  # one RoPE table, uncapped logits (windows: FusedDecoder.build refuses)
     if abs(model.attention_scale - info.head_dim**-0.5) > 1e-12:
         return None
     layers = []
