@@ -112,13 +112,14 @@ def apply_step(kv: KVCacheManager, step: CacheStep, tier: HiCacheTier | None = N
     waits = 0
     for op in admits:
         if kv.waits_for(op.token_ids, op.lora_id) is not None:
+            # admitted now, it would compute a prefix a running request is computing
             waits += 1
             continue
         got = kv.admit(
             op.rid, op.token_ids, op.extra_pages, priority=op.priority, namespace=op.lora_id
         )
         if got is None:
-            break
+            break  # no smaller one after it jumps the queue into the pages it needs
         if tier is not None:
             got, found = tier.extend(op.token_ids, got, ps, op.lora_id)
             loads += found
