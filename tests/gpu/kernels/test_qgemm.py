@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from actorlm.gpu.gguf_file import GGUFFile
 from actorlm.gpu.kernels import native
-from actorlm.gpu.kernels.qgemm import QK, gemm, lin_blocks, lin_dense, linear, native_qgemm, pack
+from actorlm.gpu.kernels.qgemm import (
+    QK,
+    PackedWeight,
+    gemm,
+    lin_blocks,
+    lin_dense,
+    linear,
+    native_qgemm,
+    pack,
+)
 from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, GGUFMethod, fbgemm_available
 from torch import nn
 
@@ -62,6 +71,42 @@ def test_weights_of_other_formats_do_not_pack() -> None:
     inf = blocks((4, 64), "q8_0")
     inf[0, 0] = float("inf")
     assert pack(inf) is None
+
+
+def _same(a: PackedWeight | None, b: PackedWeight | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    bits = [(x.view(torch.int16) if x.dtype == torch.float16 else x) for x in (a.d, b.d)]
+    ms = [x if x is None else x.view(torch.int16) for x in (a.m, b.m)]
+    same_m = ms[0] is ms[1] or (ms[0] is not None and ms[1] is not None and torch.equal(*ms))
+    return (
+        (a.kind, a.shape, a.q.dtype) == (b.kind, b.shape, b.q.dtype)
+        and same_m
+        and (torch.equal(a.q, b.q) and torch.equal(*bits))
+    )
+
+
+def test_native_pack_is_the_numpy_pack_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    near = blocks((40, 64), "q4_1")
+    near[30, 5] += 1e-3  # one value off its block's grid, far from the first row
+    nan = blocks((20, 96), "q8_0")
+    nan[19, 95] = float("nan")
+    mixed = torch.cat((blocks((1, 64), "q4_1"), blocks((8, 64), "q8_0")))  # row 0 decides
+    cases = [blocks(shape, kind, seed) for kind in ("q4_1", "q8_0")
+             for seed, shape in enumerate([(70, 96), (16, 32), (1, 64), (33, 128)])]  # fmt: skip
+    cases += [
+        near,
+        nan,
+        mixed,
+        torch.zeros(20, 64),
+        torch.randn(8, 64),
+        torch.randn(8, 64).half().float(),
+    ]
+    for w in cases:
+        assert _same(pack(w), pack(w, native_pack=False)), w.shape
+    assert all(pack(w) is not None for w in cases[:8])
+    assert all(pack(w) is None for w in (near, nan, mixed))
 
 
 def test_pack_finds_the_default_gguf_blocks(default_gguf: Path) -> None:
