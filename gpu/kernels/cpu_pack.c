@@ -1,8 +1,9 @@
-/* Finding a GGUF weight's Q4_1 / Q8_0 blocks in its fp32 values, in one pass: the
- * same arithmetic and checks as qgemm.py's NumPy path (which stays the reference and
- * the fallback), written straight into the kernel's row-interleaved layout. NumPy's
- * ~15 passes over a model's fp32 weights took 4-5 s of every worker start on 2 cores;
- * this takes a fraction of a second.
+/* GGUF's Q4_1 / Q8_0 blocks at load time, both ways. Dequantizing a file's blocks to
+ * fp32 (as gguf.quants does), and finding a weight's blocks in its fp32 values in one
+ * pass: the same arithmetic and checks as qgemm.py's NumPy path (which stays the
+ * reference and the fallback), written straight into the kernel's row-interleaved
+ * layout. NumPy's passes over a model's weights took ~6 s of every worker start on 2
+ * busy cores; these take a fraction of a second.
  *
  * A block is accepted only when its values rebuild bit for bit from the codes and
  * fp16 scales found, so a weight of another format is refused (returns 0), never
@@ -12,6 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 #define QK 32
 #define GROUP 16
@@ -100,7 +103,7 @@ int actorlm_find_q4_1(const float *w, int64_t N, int64_t K, uint8_t *q, uint16_t
                       uint16_t *m, int threads) {
     const int64_t nb = K / QK;
     int ok = 1;
-#pragma omp parallel for num_threads(threads) reduction(&& : ok) schedule(static)
+#pragma omp parallel for num_threads(threads) reduction(&& : ok) schedule(dynamic, 16)
     for (int64_t n = 0; n < N; n++) {
         if (!ok) continue;
         const int64_t g = n / GROUP, r = n % GROUP;
@@ -126,7 +129,7 @@ int actorlm_find_q8_0(const float *w, int64_t N, int64_t K, int8_t *q, uint16_t 
                       int threads) {
     const int64_t nb = K / QK;
     int ok = 1;
-#pragma omp parallel for num_threads(threads) reduction(&& : ok) schedule(static)
+#pragma omp parallel for num_threads(threads) reduction(&& : ok) schedule(dynamic, 16)
     for (int64_t n = 0; n < N; n++) {
         if (!ok) continue;
         const int64_t g = n / GROUP, r = n % GROUP;
@@ -143,4 +146,32 @@ int actorlm_find_q8_0(const float *w, int64_t N, int64_t K, int8_t *q, uint16_t 
         }
     }
     return ok;
+}
+
+/* The other way, for loading: GGUF's Q4_1 blocks (fp16 d, fp16 m, 16 bytes: code j in
+ * byte j's low nibble, code j + 16 in its high one) and Q8_0 blocks (fp16 d, 32 int8
+ * codes) to fp32, as gguf.quants computes them (d * q + m: the product is exact, so
+ * the value is the same fused or not), over ``threads`` threads. */
+void actorlm_dequant_q4_1(const uint8_t *raw, int64_t blocks, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4096)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = raw + b * 20;
+        const float d = f16_f32((uint16_t)(blk[0] | blk[1] << 8));
+        const float m = f16_f32((uint16_t)(blk[2] | blk[3] << 8));
+        float *o = out + b * QK;
+        for (int j = 0; j < QK / 2; j++) {
+            o[j] = d * (float)(blk[4 + j] & 15) + m;
+            o[j + QK / 2] = d * (float)(blk[4 + j] >> 4) + m;
+        }
+    }
+}
+
+void actorlm_dequant_q8_0(const uint8_t *raw, int64_t blocks, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4096)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = raw + b * 34;
+        const float d = f16_f32((uint16_t)(blk[0] | blk[1] << 8));
+        float *o = out + b * QK;
+        for (int j = 0; j < QK; j++) o[j] = (float)(int8_t)blk[2 + j] * d;
+    }
 }

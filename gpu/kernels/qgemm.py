@@ -29,6 +29,7 @@ __all__ = [
     "QK",
     "Lin",
     "PackedWeight",
+    "dequantize_blocks",
     "gemm",
     "lin_blocks",
     "lin_dense",
@@ -180,7 +181,27 @@ def _pack_lib() -> Any | None:
         lib.actorlm_find_q4_1.argtypes = [_P, _I, _I, _P, _P, _P, _T]
         lib.actorlm_find_q8_0.argtypes = [_P, _I, _I, _P, _P, _T]
         lib.actorlm_find_q4_1.restype = lib.actorlm_find_q8_0.restype = ctypes.c_int
+        for name in ("actorlm_dequant_q4_1", "actorlm_dequant_q8_0"):
+            getattr(lib, name).argtypes = [_P, _I, _P, _T]
+            getattr(lib, name).restype = None
     return lib
+
+
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+
+
+def dequantize_blocks(raw: np.ndarray, kind: str) -> np.ndarray | None:
+    """GGUF ``kind`` blocks (``raw``: a tensor's bytes, C-contiguous) as fp32 [blocks *
+    32], the values ``gguf.quants.dequantize`` gives, or None where ``cpu_pack.c`` does
+    not build (the caller then uses gguf.quants)."""
+    lib = _pack_lib()
+    if lib is None or kind not in _BLOCK_BYTES or not raw.flags.c_contiguous:
+        return None
+    blocks = raw.size // _BLOCK_BYTES[kind]
+    out = np.empty(blocks * QK, dtype=np.float32)
+    fn = lib.actorlm_dequant_q4_1 if kind == "q4_1" else lib.actorlm_dequant_q8_0
+    fn(raw.ctypes.data, blocks, out.ctypes.data, torch.get_num_threads())
+    return out
 
 
 def _find(lib: Any, kind: str, w: torch.Tensor) -> PackedWeight | None:
