@@ -17,6 +17,7 @@ from actorlm.gpu.kernels import native
 from actorlm.gpu.kernels.qgemm import (
     QK,
     PackedWeight,
+    dequantize_blocks,
     gemm,
     lin_blocks,
     lin_dense,
@@ -123,6 +124,21 @@ def test_pack_finds_the_default_gguf_blocks(default_gguf: Path) -> None:
     assert np.array_equal(codes[:, :16], qs & 15) and np.array_equal(codes[:, 16:], qs >> 4)
     embd = pack(torch.from_numpy(f.dequantize("token_embd.weight")[:512].copy()))
     assert embd is not None and embd.kind == "q8_0"
+
+
+def test_native_dequantize_is_gguf_quants_bit_for_bit(default_gguf: Path) -> None:
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    f = GGUFFile(default_gguf)
+    for name in ("blk.0.attn_q.weight", "blk.5.ffn_up.weight", "token_embd.weight"):
+        qtype = GGMLQuantizationType(f.tensors[name].qtype)
+        assert qtype.name in ("Q4_1", "Q8_0")
+        ours = dequantize_blocks(f.raw(name), qtype.name.lower())
+        assert ours is not None
+        ref = np.asarray(dequantize(f.raw(name), qtype), dtype=np.float32).ravel()
+        assert np.array_equal(ours.view(np.int32), ref.view(np.int32)), name
+        assert np.array_equal(f.dequantize(name).ravel(), ref)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
