@@ -140,7 +140,7 @@ class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     restart_policy: str = "on-failure"  # on-failure | never: what the launcher does on a death
     max_restarts: int = 5  # per role within restart_window_s; then it stays down
     restart_window_s: float = 300.0
-    restart_backoff_s: float = 0.5  # before the first restart; doubles each time, up to 10 s
+    restart_backoff_s: float = 0.5  # after a death soon after a start; doubles, up to 10 s
     keys_dir: str = ""  # CurveZMQ keys (`actorlm keys DIR`) for every tcp socket
     insecure: bool = False  # allow binding tcp beyond loopback without keys
 

@@ -46,7 +46,17 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig) -> None:
-        torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
+        # Loading runs on one thread, serving on all: the load's ops are memory-bound, and
+        # each of its ~1000 parallel regions waits for a thread on every other core, which
+        # on busy cores (a restart under load) costs milliseconds a region: 3-4 s of a
+        # worker start on one thread, 10-11 s on two.
+        torch.set_num_threads(1)
+        try:
+            self._load(cfg)
+        finally:
+            torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
+
+    def _load(self, cfg: ModelConfig) -> None:
         torch.manual_seed(cfg.seed)
         platform = current_platform()
         self.device = torch.device(cfg.device or "cpu")
