@@ -153,9 +153,9 @@ class ModelRunner:
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         """Give the model ``num_slots`` adapter slots of rank ``max_rank`` (on top of the
-        linear method). Decode steps with an adapter then run eagerly: a captured graph
-        (or the fused CPU step, which reads the base weights) has no adapter plan; steps of
-        the base model alone keep the fused step."""
+        linear method). Decode steps with an adapter then run eagerly on CUDA (a captured
+        graph has no adapter plan); the fused CPU step reads the slots itself where the
+        native LoRA kernel builds, and else serves the base model's steps alone."""
         from .lora.layers import install_lora
         from .lora.pool import LoraMemoryPool
         from .lora.targets import BaseShapes, placements
@@ -164,12 +164,14 @@ class ModelRunner:
         self.lora = LoraMemoryPool(shapes, num_slots, max_rank, self.dtype, self.device)
         wrapped = install_lora(self.model, self.lora, placements(self.info))
         self.graphs = None
+        fused = self.fused is not None and self.fused.attach_lora(self.lora)
         log.info(
-            "LoRA: %d slots of rank %d on %d projections, %.1f MiB",
+            "LoRA: %d slots of rank %d on %d projections, %.1f MiB; decode steps with adapters %s",
             num_slots,
             max_rank,
             wrapped,
             self.lora.nbytes / 2**20,
+            "fused" if fused else "through the model",
         )
 
     def forward(self, batch: ForwardBatch) -> StepResult:
@@ -295,9 +297,9 @@ class ModelRunner:
                 )
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs)
-        no_adapter = self.lora is None or self.lora.plan is None
-        if self.fused is not None and no_adapter and self.fused.accepts(seqs):
-            return self.fused.run(seqs)
+        plan = None if self.lora is None else self.lora.plan
+        if self.fused is not None and self.fused.accepts(seqs, plan):
+            return self.fused.run(seqs, plan)
         meta = ForwardMeta.build(seqs, self.pool.page_size, "cpu", self.layer_windows, self.softcap)
         if self.device.type != "cpu":
             meta = upload_meta(meta, self.device)  # pinned, non-blocking

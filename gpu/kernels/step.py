@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import native
+from .lora import LoraDesc
 from .qgemm import Lin
 
 __all__ = ["DecodeStep", "LayerWeights", "StepWeights", "native_step"]
@@ -58,6 +59,8 @@ class _Model(ctypes.Structure):
         ("kv_bf16", _I),
         ("num_pages", _I),
         ("page_size", _I),
+        ("lora", ctypes.POINTER(LoraDesc)),
+        ("lora_rank", _I),
     ]
 
 
@@ -68,7 +71,7 @@ def native_step(level: str = "") -> Any | None:
     if lib is None:
         return None
     step = lib.actorlm_decode_step
-    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _T]
+    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _T]
     step.restype = ctypes.c_int
     attn = lib.actorlm_paged_decode_kv
     attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _T]
@@ -175,6 +178,21 @@ class DecodeStep:
             page_size=page_size,
         )
 
+    def set_lora(self, descs: list[LoraDesc], max_rank: int) -> None:
+        """Adapters for later steps: ``descs`` each layer's q, k, v, o, gate, up and down
+        (``kernels/lora.py``, in that order), slots of rank at most ``max_rank``."""
+        per_layer = 7
+        if len(descs) != per_layer * len(self.weights.layers):
+            raise ValueError(f"{len(descs)} LoRA descriptors for {len(self.weights.layers)} layers")
+        array = (LoraDesc * len(descs))(*descs)
+        self._lora = array  # the model points into it
+        self._model.lora = ctypes.cast(array, ctypes.POINTER(LoraDesc))
+        self._model.lora_rank = max_rank
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(self._model.lora)
+
     def __call__(
         self,
         tokens: np.ndarray,
@@ -184,16 +202,27 @@ class DecodeStep:
         pages: np.ndarray,
         seq_lens: np.ndarray,
         threads: int = 0,
+        row_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
         [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
-        ``threads`` threads (default torch's count; the results do not depend on it)."""
+        ``threads`` threads (default torch's count; the results do not depend on it).
+        ``row_slots`` [B] int32: each row's adapter slot (-1: the base model; needs
+        ``set_lora``), or None for the base model alone."""
         B = tokens.shape[0]
+        lora = None
+        if row_slots is not None:
+            if not self.has_lora:
+                raise ValueError("adapter slots for a step without set_lora")
+            if row_slots.dtype != torch.int32 or row_slots.shape != (B,):
+                raise ValueError(f"row_slots must be [{B}] int32")
+            lora = row_slots.contiguous()
         logits = torch.empty(B, self.vocab)
         rc = self._fn(
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
-            int(seq_lens.max()), logits.data_ptr(), threads or torch.get_num_threads(),
+            int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
+            threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode step: out of memory for its scratch")
