@@ -35,6 +35,7 @@ typedef struct {
     const void *w;         /* dense: [n, k] row-major; blocks: the codes */
     const uint16_t *d, *m; /* blocks: fp16 scales [n/16, k/32, 16], minimums (Q4_1) */
     const float *bias;  /* [n] fp32, or NULL */
+    int64_t act_bf16;   /* x may be rounded to bf16 (a bf16 model; dpbf16.h) */
 } lin_t;
 
 #if defined(__AVX2__)
@@ -222,9 +223,17 @@ static inline __attribute__((always_inline)) void tile16(
 }
 #endif
 
+#if defined(__AVX512BF16__)
+#include "dpbf16.h"
+#endif
+
 /* Groups [g0, g1) of a block weight, all M rows of x. */
 static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
                         int64_t g1, float *y, int64_t ys) {
+#if defined(__AVX512BF16__)
+    /* beyond one tile of rows, bf16 dot products over blocks expanded once */
+    if (L->act_bf16 && M > MT_MAX && dp_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
+#endif
     const int q4 = L->kind == LIN_Q4_1;
     const uint8_t *q = (const uint8_t *)L->w;
     const uint16_t *d = (const uint16_t *)L->d, *mn = (const uint16_t *)L->m;
