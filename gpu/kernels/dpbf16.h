@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#define DP_MIN_ROWS 6 /* fewer rows take gemv.h's fp32 tiles: the expansion costs more */
 #define DP_ROWS 12  /* rows of x a pass: 2 accumulators a row in 32 registers */
 #define DP_CHUNK 16 /* blocks of a group expanded at a time: 16 KiB, in L1 */
 
