@@ -13,8 +13,8 @@
  *
  * with x rounded to bf16 once a call (round to nearest even, as torch's bf16 is). The
  * only rounding beyond fp32's is then x's, which a bf16 model's forward rounds too;
- * a linear opts in with lin_t's `act_bf16` (the fused step of a bf16 model, or bf16
- * inputs, where the rounding changes nothing).
+ * a linear opts in with lin_t's `act_bf16` (kernels/step.py sets it in the fused step
+ * of a bf16 model), and takes this path from DP_MIN_ROWS rows on.
  *
  * Scratch (x as bf16, its block sums, the rows' accumulators) lives in a buffer per
  * thread that grows as needed and is kept, so a call allocates nothing in steady state.
@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define DP_MIN_ROWS 6 /* fewer rows take gemv.h's fp32 tiles: the expansion costs more */
+#define DP_MIN_ROWS 9 /* up to one tile of rows gemv.h's fp32 tiles serve (see there) */
 #define DP_ROWS 12  /* rows of x a pass: 2 accumulators a row in 32 registers */
 #define DP_CHUNK 16 /* blocks of a group expanded at a time: 16 KiB, in L1 */
 

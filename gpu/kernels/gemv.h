@@ -16,6 +16,9 @@
  *     build 8 (each half of a group in turn, the second from L1), lane by lane in the
  *     same order: their results are equal bit for bit.
  *
+ * Builds with AVX512-BF16 take block weights at 9 rows or more through dpbf16.h's
+ * bf16 dot products instead, where the linear allows x to round to bf16 (`act_bf16`).
+ *
  * `lin_cols` computes a range of output columns on the calling thread; the caller
  * splits the columns over threads (`lin_part`). Included by cpu_qgemm.c (one linear
  * per call, from Python) and cpu_step.c (a whole decode step per call).
@@ -231,8 +234,10 @@ static inline __attribute__((always_inline)) void tile16(
 static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
                         int64_t g1, float *y, int64_t ys) {
 #if defined(__AVX512BF16__)
-    /* bf16 dot products over blocks expanded once a call: ahead of the fp32 tiles from
-       6 rows on (Zen 5, one core: 1.2x at 8 rows, 1.6x at 32; behind at 2-4) */
+    /* bf16 dot products over blocks expanded once a call (Zen 5, one core: 1.4x the
+       fp32 tiles at 16 rows, 1.6x at 32). At 6-8 rows one linear alone runs ~1.2x,
+       but a whole decode step on two threads measured slower: each call's rounding
+       of x and the expansion weigh more on the step's short column ranges. */
     if (L->act_bf16 && M >= DP_MIN_ROWS && dp_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
 #endif
     const int q4 = L->kind == LIN_Q4_1;

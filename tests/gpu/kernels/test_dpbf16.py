@@ -23,14 +23,14 @@ from .test_qgemm import _block_model, blocks
 
 pytestmark = pytest.mark.skipif(native_qgemm() is None, reason="needs a C compiler")
 
-DP_MIN_ROWS = 6  # dpbf16.h: fewer rows keep the fp32 tiles
+DP_MIN_ROWS = 9  # dpbf16.h: fewer rows keep the fp32 tiles
 _HAS_DP = native.isa("avx512bf16") in native.supported_isas(native.cpu_flags(), native._is_x86())
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> None:
-    """With ``act_bf16`` the avx512bf16 build rounds each row to bf16 once (from 6 rows
+    """With ``act_bf16`` the avx512bf16 build rounds each row to bf16 once (from 9 rows
     on) and sums its products with the blocks' exact values in fp32: torch's fp64
     matmul of the rounded rows to fp32's tolerance (sums of 1088 products of up to ~8
     in size). The other builds and fewer rows keep fp32 rows. 1088 columns are 34
