@@ -233,6 +233,7 @@ class Lin(ctypes.Structure):
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
+        ("act_bf16", ctypes.c_int64),  # x may round to bf16 (a bf16 model): dot products
     ]
 
     keep: tuple[torch.Tensor, ...] = ()

@@ -133,6 +133,14 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).contiguous()
 
 
+def _lin(lin: Lin, act_bf16: bool) -> Lin:
+    """A copy of ``lin`` (the same weights) whose inputs may round to bf16 or not; the
+    linear method's own descriptor stays as it was."""
+    out = Lin.from_buffer_copy(lin)
+    out.act_bf16 = int(act_bf16)
+    return out
+
+
 class DecodeStep:
     """One model over one KV pool, built once; ``__call__`` runs a decode step."""
 
@@ -150,9 +158,16 @@ class DecodeStep:
         self.vocab = weights.head.n
         norms = [(_f32(x.in_norm), _f32(x.post_norm)) for x in weights.layers]
         final = _f32(weights.final_norm)
+        # a bf16 model's linears may round their inputs to bf16, as its forward does:
+        # at larger batches they then take the CPU's bf16 dot products (gemv.h)
+        bf16 = weights.embed.dtype == torch.bfloat16
         layers = (_Layer * len(weights.layers))(
             *(
-                _Layer(x.qkv, x.o, x.gate_up, x.down, a.data_ptr(), b.data_ptr())
+                _Layer(
+                    *(_lin(w, bf16) for w in (x.qkv, x.o, x.gate_up, x.down)),
+                    a.data_ptr(),
+                    b.data_ptr(),
+                )
                 for x, (a, b) in zip(weights.layers, norms, strict=True)
             )
         )
@@ -171,7 +186,7 @@ class DecodeStep:
             embed=weights.embed.data_ptr(),
             embed_bf16=int(weights.embed.dtype == torch.bfloat16),
             final_norm=final.data_ptr(),
-            head=weights.head,
+            head=_lin(weights.head, bf16),
             kv=kv.data_ptr(),
             kv_bf16=int(kv.dtype == torch.bfloat16),
             num_pages=kv.shape[3],
