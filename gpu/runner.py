@@ -266,12 +266,9 @@ class ModelRunner:
         """Each constrained row's matcher takes its sampled token. One that refuses it (a
         mask left nothing but a banned token, min_new_tokens say) ends that request."""
         assert self.grammars is not None
-        failed = []
-        for r in results:
-            if not self.grammars.accept(r.rid, r.token_id):
-                message = "the output can no longer match its constraint"
-                failed.append(SeqError(r.rid, message))
-        return failed
+        refused = self.grammars.accept_all([(r.rid, r.token_id) for r in results])
+        message = "the output can no longer match its constraint"
+        return [SeqError(rid, message) for rid in refused]
 
     def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""
