@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:  # `python bench/lora.py` from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.gpu import machine  # noqa: E402
+from bench.machine import save  # noqa: E402
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_COST = 0.20  # 8 distinct rank-8 adapters may cost at most this share of base tok/s
@@ -324,12 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         machine={**machine(), "cores": os.cpu_count(), "load": os.getloadavg()[0]},
         args={k: v for k, v in vars(args).items() if isinstance(v, int | float | str | list)},
     )
-    table = markdown(results, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    save(results, markdown(results, args), args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import statistics
 import sys
@@ -46,6 +45,7 @@ from actorlm.gpu.lora.targets import LORA_MODULES  # noqa: E402
 from actorlm.gpu.runner import ModelRunner  # noqa: E402
 
 from bench.gpu import machine  # noqa: E402
+from bench.machine import save  # noqa: E402
 
 PATHS = ("base fused", "base model", "lora fused", "lora model native", "lora model gather")
 
@@ -157,12 +157,7 @@ def main() -> None:
         machine={**machine(), "cores": os.cpu_count(), "load": os.getloadavg()[0]},
         args=vars(args),
     )
-    table = markdown(res, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    save(res, markdown(res, args), args.out)
 
 
 if __name__ == "__main__":
