@@ -33,11 +33,17 @@ def default_gguf() -> Path:
 def default_gguf_transformers(default_gguf: Path) -> Any:
     """transformers' fp32 model of the default GGUF, loaded once: dequantizing the file
     takes ~20 s, and the reference tests of gguf and bf16 both read it (neither mutates it)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype="float32"
-    ).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the load's many small parallel ops wait on busy cores
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            str(default_gguf.parent), gguf_file=default_gguf.name, dtype="float32"
+        ).eval()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def masked_argmax(x: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torc
     (``torch.argmax``'s answer: the first maximum, or the first NaN). ``x`` is untouched."""
     lib = native_bitmask()
     c = _pointers(x, masks) if lib is not None else None
-    if c is None:
+    if lib is None or c is None:
         given = {i: m for i, m in enumerate(masks) if m is not None}
         picked = masked_logits(x, sorted(given), list(given.values())) if given else x
         return picked.argmax(dim=-1)
@@ -137,7 +137,7 @@ def apply_masks_(x: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tenso
     lib = native_bitmask()
     per_row: list[torch.Tensor | None] = [masks.get(i) for i in range(x.shape[0])]
     c = _pointers(x, per_row) if lib is not None else None
-    if c is None:
+    if lib is None or c is None:
         return masked_logits(x, rows, [masks[i] for i in rows])
     ptrs, words = c
     lib.actorlm_apply_bitmask(
