@@ -183,9 +183,10 @@ class SparseMoE(nn.Module):
         experts: list[GatedMLP] = list(self.experts)  # type: ignore[arg-type]
         lins = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
         if self._stack is not None:
-            if all(_plain(m) for m in lins) and [
-                w.data_ptr() for w in self._expert_weights()
-            ] == self._stack_ptrs:
+            if (
+                all(_plain(m) for m in lins)
+                and [w.data_ptr() for w in self._expert_weights()] == self._stack_ptrs
+            ):
                 return self._stack
             self._stack = None
         if not all(_plain(m) for m in lins) or len({m.weight.dtype for m in lins}) != 1:
