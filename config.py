@@ -48,7 +48,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0  # 0 = from the model's config
     vocab_size: int = 0  # 0 = from the model's config (resolve_config fills it)
     num_threads: int = 0  # torch threads in the worker; 0 = all cores
-    fused_decode_max_batch: int = 8  # CPU: decode steps up to this batch in one native call
+    fused_decode_max_batch: int = 32  # CPU: decode steps up to this batch in one native call
     served_model_name: str = ""
     seed: int = 0
     disable_cuda_graph: bool = False  # CUDA: run decode steps eagerly instead of replaying graphs
@@ -140,7 +140,7 @@ class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     restart_policy: str = "on-failure"  # on-failure | never: what the launcher does on a death
     max_restarts: int = 5  # per role within restart_window_s; then it stays down
     restart_window_s: float = 300.0
-    restart_backoff_s: float = 0.5  # before the first restart; doubles each time, up to 10 s
+    restart_backoff_s: float = 0.5  # after a death soon after a start; doubles, up to 10 s
     keys_dir: str = ""  # CurveZMQ keys (`actorlm keys DIR`) for every tcp socket
     insecure: bool = False  # allow binding tcp beyond loopback without keys
 

@@ -73,7 +73,7 @@ FLAG_HELP: dict[str, str] = {
     "restart_policy": "on-failure: restart a dead actor (serve); never: leave it down",
     "max_restarts": "restarts of one role within --restart-window-s, then it stays down",
     "restart_window_s": "the window --max-restarts counts in",
-    "restart_backoff_s": "wait before the first restart, doubling each time up to 10 s",
+    "restart_backoff_s": "wait before restarting a role that died within 10 s of its start, doubling each time up to 10 s",
     "keys_dir": "CurveZMQ keys (actorlm keys DIR) for every tcp socket",
     "insecure": "allow tcp beyond loopback without keys: anyone reaching a port commands",
     # structured output and reasoning

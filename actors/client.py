@@ -19,7 +19,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..messages.control import ErrorReply, FlushCache, GetInfo, GetStats, Info, Stats
 from ..messages.envelope import Envelope
-from ..messages.errors import HTTP_STATUS, ErrorCode, code_for_status
+from ..messages.errors import HTTP_STATUS, CallErrorCode, ErrorCode, code_for_status
 from ..messages.generate import (
     AbortRequest,
     FinishReason,
@@ -183,7 +183,7 @@ class EngineClient:
         if not self.actor.config.lora.enabled:
             raise ActorError(
                 "LoRA is not enabled on this server; start it with --enable-lora or --lora-paths",
-                code="lora_disabled",
+                code=CallErrorCode.LORA_DISABLED,
                 status=400,
             )
 

@@ -5,8 +5,8 @@ Decode: B sequences with --context-len cached tokens each, then --decode-steps g
 steps through actorlm's ModelRunner, every row free or every row constrained by one
 JSON schema (a matcher that finishes starts again, so each step pays for B masks).
 The constrained step is the worker's: masks fill on the grammar thread while the
-forward pass runs, the sampler applies them to the whole batch, each matcher then
-takes its token. Free and constrained runs alternate, best of --repeats kept, so
+forward pass runs (one batch call per backend), the sampler's argmax reads them
+(gpu/kernels/bitmask.py), the matchers then take their tokens (one batch call). Free and constrained runs alternate, best of --repeats kept, so
 both see the same drift of a shared machine.
 
 Compile: each schema of a set like users send (a tool call, a GitHub issue, a

@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:  # `python bench/lora.py` from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.gpu import machine  # noqa: E402
+from bench.machine import save  # noqa: E402
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_COST = 0.20  # 8 distinct rank-8 adapters may cost at most this share of base tok/s
@@ -104,6 +105,8 @@ def start(model: Path, args: argparse.Namespace, **options: Any) -> Any:
     t0 = time.perf_counter()
     if args.threads:
         options = {**options, "num_threads": args.threads}
+    if args.fused_decode_max_batch >= 0:  # both engines: the base users get, and LoRA's
+        options = {**options, "fused_decode_max_batch": args.fused_decode_max_batch}
     engine = Engine(
         str(model),
         kv_cache_gb=args.kv_cache_gb,
@@ -222,7 +225,8 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"{args.max_loras_per_batch} slots; median of {args.repeats} rounds, each against "
         "a base-alone run beside it",
         f"CPU: {m.get('cpu_model', '?')} ({m.get('cores')} cores, load {m.get('load')}); "
-        f"worker threads {args.threads or 'all'}; torch {m.get('torch')}; {results['date']}",
+        f"worker threads {args.threads or 'all'}; fused decode up to batch "
+        f"{'default' if args.fused_decode_max_batch < 0 else args.fused_decode_max_batch}; torch {m.get('torch')}; {results['date']}",
         "",
         "| configuration | distinct adapters | rank | output tok/s | base alone, same rounds "
         "| vs base alone |",
@@ -280,6 +284,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads in each worker (0: all cores; 1 keeps a shared machine's "
         "oversubscribed OpenMP barriers out of the numbers)",
     )
+    p.add_argument(
+        "--fused-decode-max-batch",
+        type=int,
+        default=-1,
+        help="decode steps of up to this many sequences as one native call, in both "
+        "engines (-1: the config's default; 0: off)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--adapter-dir", default="bench/results/lora-adapters", help="where adapters are written"
@@ -314,12 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         machine={**machine(), "cores": os.cpu_count(), "load": os.getloadavg()[0]},
         args={k: v for k, v in vars(args).items() if isinstance(v, int | float | str | list)},
     )
-    table = markdown(results, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    save(results, markdown(results, args), args.out)
 
 
 if __name__ == "__main__":

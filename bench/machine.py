@@ -31,6 +31,7 @@ __all__ = [
     "describe",
     "gemm_flops",
     "read_bandwidth",
+    "save",
 ]
 
 # What picks kernels (AVX2, AVX-512), the bf16 dtype (AVX512-BF16, AMX) and int8 paths.
@@ -155,3 +156,12 @@ if __name__ == "__main__":
     for d in ("float32", "bfloat16", "fp16w"):
         info[f"gemm_{d}_gflops"] = gemm_flops(d)["best"] / 1e9
     print(json.dumps(info, indent=2))
+
+
+def save(results: object, table: str, out: str | Path) -> None:
+    """Raw results to ``out`` (JSON), the printed table beside it (``.md``), and the table."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    path.with_suffix(".md").write_text(table)
+    print(table)

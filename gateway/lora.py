@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 
 from ..actors.runtime import ActorError
+from ..messages.errors import CallErrorCode
 from ..messages.lora import LoraAdapterInfo
 from .body import read_json
 from .errors import ApiError
@@ -23,7 +24,8 @@ __all__ = ["adapter_card", "adapter_cards", "routes"]
 
 def _api_error(exc: ActorError) -> ApiError:
     status = exc.status if 400 <= exc.status < 600 else 500
-    code = exc.code if exc.code not in ("handler_error", "remote_error") else None
+    # A handler's crash is no code a client can act on: the status's own name stands.
+    code = exc.code if exc.code is not CallErrorCode.HANDLER_ERROR else None
     headers = {"Retry-After": "2"} if status == 503 else None
     return ApiError(status, str(exc), code=code, headers=headers)
 

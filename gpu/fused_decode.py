@@ -14,6 +14,10 @@ its ``StepWeights`` (kernels/step.py), or None when this instance cannot be fuse
 (another layer shape, a sliding window, a linear method the kernels cannot read).
 Only the exact class registered is fused: a subclass that changes the layer math
 (Qwen3's q/k norms, Gemma's norms) is never taken for its parent.
+
+With LoRA (``attach_lora``), steps whose rows use adapters stay fused too: the step
+reads the worker's adapter slots in place (``kernels/lora.py``'s descriptors) and adds
+each row's deltas where its projections are made.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +40,10 @@ from .kv_pool import KVPool
 from .models.layers import Attention, GatedMLP, RMSNorm
 from .models.llama import DecoderLayer, LlamaForCausalLM
 from .quantization import native_lin
+
+if TYPE_CHECKING:
+    from .lora.plan import LoraPlan
+    from .lora.pool import LoraMemoryPool
 
 __all__ = ["FusedDecoder", "ThreadChooser", "register_spec"]
 
@@ -193,14 +201,32 @@ class FusedDecoder:
 
         return cls(model, step, pool.page_size, max_batch, level or native.best_isa().name), ""
 
-    def accepts(self, seqs: Sequence[SeqSpec]) -> bool:
-        """Whether the step is this decoder's: every sequence decodes one token and is sampled."""
+    def attach_lora(self, pool: LoraMemoryPool) -> bool:
+        """Read ``pool``'s adapter slots in later steps; False where the kernel cannot
+        (then steps with adapters take the model's forward)."""
+        from .lora.targets import LORA_MODULES
+
+        if not pool.native:
+            return False
+        layers = len(self.step.weights.layers)
+        descs = [pool.desc(m, layer) for layer in range(layers) for m in LORA_MODULES]
+        if any(d is None for d in descs) or pool.shapes.num_layers != layers:
+            return False
+        self.step.set_lora(descs, pool.max_rank)  # type: ignore[arg-type]
+        return True
+
+    def accepts(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> bool:
+        """Whether the step is this decoder's: every sequence decodes one token and is
+        sampled, and its adapters (``plan``) are in slots the step reads."""
+        if plan is not None and (plan.rows is None or not self.step.has_lora):
+            return False
         return 0 < len(seqs) <= self.max_batch and all(
             len(s.input_ids) == 1 and s.sample for s in seqs
         )
 
-    def run(self, seqs: Sequence[SeqSpec]) -> torch.Tensor:
-        """Logits [B, vocab] fp32 of one decode token per sequence; K and V go to the pool."""
+    def run(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> torch.Tensor:
+        """Logits [B, vocab] fp32 of one decode token per sequence (each with its
+        adapter, by ``plan``); K and V go to the pool."""
         B, ps = len(seqs), self.page_size
         tokens = np.fromiter((s.input_ids[0] for s in seqs), np.int64, B)
         pos = np.fromiter((s.start_pos for s in seqs), np.int64, B)
@@ -218,6 +244,7 @@ class FusedDecoder:
         sin = sin.reshape(B, half).to(torch.float32).contiguous()
         threads = self.threads.pick(B)
         t0 = time.perf_counter()
-        logits = self.step(tokens, cos, sin, slots, pages, lens, threads)
+        rows = None if plan is None else plan.rows
+        logits = self.step(tokens, cos, sin, slots, pages, lens, threads, rows)
         self.threads.record(B, threads, time.perf_counter() - t0)
         return logits

@@ -46,7 +46,17 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig) -> None:
-        torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
+        # Loading runs on one thread, serving on all: the load's ops are memory-bound, and
+        # each of its ~1000 parallel regions waits for a thread on every other core, which
+        # on busy cores (a restart under load) costs milliseconds a region: 3-4 s of a
+        # worker start on one thread, 10-11 s on two.
+        torch.set_num_threads(1)
+        try:
+            self._load(cfg)
+        finally:
+            torch.set_num_threads(cfg.num_threads or len(os.sched_getaffinity(0)))
+
+    def _load(self, cfg: ModelConfig) -> None:
         torch.manual_seed(cfg.seed)
         platform = current_platform()
         self.device = torch.device(cfg.device or "cpu")
@@ -143,9 +153,9 @@ class ModelRunner:
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         """Give the model ``num_slots`` adapter slots of rank ``max_rank`` (on top of the
-        linear method). Decode steps with an adapter then run eagerly: a captured graph
-        (or the fused CPU step, which reads the base weights) has no adapter plan; steps of
-        the base model alone keep the fused step."""
+        linear method). Decode steps with an adapter then run eagerly on CUDA (a captured
+        graph has no adapter plan); the fused CPU step reads the slots itself where the
+        native LoRA kernel builds, and else serves the base model's steps alone."""
         from .lora.layers import install_lora
         from .lora.pool import LoraMemoryPool
         from .lora.targets import BaseShapes, placements
@@ -154,12 +164,14 @@ class ModelRunner:
         self.lora = LoraMemoryPool(shapes, num_slots, max_rank, self.dtype, self.device)
         wrapped = install_lora(self.model, self.lora, placements(self.info))
         self.graphs = None
+        fused = self.fused is not None and self.fused.attach_lora(self.lora)
         log.info(
-            "LoRA: %d slots of rank %d on %d projections, %.1f MiB",
+            "LoRA: %d slots of rank %d on %d projections, %.1f MiB; decode steps with adapters %s",
             num_slots,
             max_rank,
             wrapped,
             self.lora.nbytes / 2**20,
+            "fused" if fused else "through the model",
         )
 
     def forward(self, batch: ForwardBatch) -> StepResult:
@@ -254,12 +266,9 @@ class ModelRunner:
         """Each constrained row's matcher takes its sampled token. One that refuses it (a
         mask left nothing but a banned token, min_new_tokens say) ends that request."""
         assert self.grammars is not None
-        failed = []
-        for r in results:
-            if not self.grammars.accept(r.rid, r.token_id):
-                message = "the output can no longer match its constraint"
-                failed.append(SeqError(r.rid, message))
-        return failed
+        refused = self.grammars.accept_all([(r.rid, r.token_id) for r in results])
+        message = "the output can no longer match its constraint"
+        return [SeqError(rid, message) for rid in refused]
 
     def forward_logits(self, seqs: list[SeqStep]) -> torch.Tensor:
         """Raw logits [S, V] fp32 for the sequences with ``sample=True`` (the KV pool is updated)."""
@@ -285,9 +294,9 @@ class ModelRunner:
                 )
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs)
-        no_adapter = self.lora is None or self.lora.plan is None
-        if self.fused is not None and no_adapter and self.fused.accepts(seqs):
-            return self.fused.run(seqs)
+        plan = None if self.lora is None else self.lora.plan
+        if self.fused is not None and self.fused.accepts(seqs, plan):
+            return self.fused.run(seqs, plan)
         meta = ForwardMeta.build(seqs, self.pool.page_size, "cpu", self.layer_windows, self.softcap)
         if self.device.type != "cpu":
             meta = upload_meta(meta, self.device)  # pinned, non-blocking

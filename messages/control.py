@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .base import Message
+from .errors import CallErrorCode
 
 __all__ = [
     "Ack",
@@ -113,12 +114,11 @@ class Ack(Message, frozen=True, kw_only=True):
 class ErrorReply(Message, frozen=True, kw_only=True):
     """The reply to a request (or a rejected send) that failed.
 
-    ``code`` is a stable machine name (``timeout``, ``actor_died``, ``rejected``,
-    ``bad_message``, ``no_handler``, ``handler_error``, ``invalid_request``);
-    ``status`` an HTTP-like status the gateway can pass on.
+    ``code`` says how it failed (on the wire: the member's string, such as
+    ``actor_died``); ``status`` is an HTTP-like status the gateway can pass on.
     """
 
     TAG: ClassVar[str] = "ctl.error"
-    code: str
+    code: CallErrorCode
     message: str
     status: int = 500

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,17 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def default_gguf_transformers(default_gguf: Path) -> Any:
+    """transformers' fp32 model of the default GGUF, loaded once: dequantizing the file
+    takes ~20 s, and the reference tests of gguf and bf16 both read it (neither mutates it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype="float32"
+    ).eval()
 
 
 @pytest.fixture(scope="session")

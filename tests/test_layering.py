@@ -28,6 +28,7 @@ PURE_CORES = {
     "actorlm.actors.cache.hicache",
     "actorlm.actors.cache.kv_cache",
     "actorlm.actors.cache.radix",
+    "actorlm.actors.cache.step",
     "actorlm.actors.lora_loader.eviction",
     "actorlm.actors.lora_loader.peft",
     "actorlm.actors.lora_loader.registry",

@@ -114,6 +114,7 @@ def test_load_and_unload_routes_under_both_names(
         assert server.complete("all")[0] == 404
     status, out = http(f"{server.url}/unload_lora_adapter", {"lora_name": "all"})
     assert status == 404 and "no LoRA adapter named 'all'" in out["error"]["message"]
+    assert out["error"]["code"] == "not_found"
     assert http(f"{server.url}/load_lora_adapter", {"lora_name": "x"})[0] == 400
 
 

@@ -1,7 +1,8 @@
 """The cache-manager role: the actor shell (`actor`) over the pure KV cache core:
-page allocator (`allocator`), radix prefix tree (`radix`), reference counts and
-admission (`kv_cache`), eviction strategies (`eviction`), HiCache storage tiers
-(`hicache`). Page ids only: the KV tensors live in the worker."""
+one step's decisions (`step`), page allocator (`allocator`), radix prefix tree
+(`radix`), reference counts and admission (`kv_cache`), eviction strategies
+(`eviction`), HiCache storage tiers (`hicache`). Page ids only: the KV tensors
+live in the worker."""
 
 from __future__ import annotations
 

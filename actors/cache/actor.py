@@ -2,7 +2,8 @@
 
 It owns the page allocator, the radix prefix tree, reference counts and the
 eviction policy. The KV tensors themselves live in the worker. One
-``CacheStep`` request per scheduler step carries every operation.
+``CacheStep`` request per scheduler step carries every operation; the pure
+``step.apply_step`` decides what each does, and this shell replies with it.
 
 With a HiCache storage backend (``--hicache-storage-backend file
 --hicache-storage-dir DIR``) every full page that enters the prefix tree is
@@ -24,13 +25,13 @@ import logging
 from typing import Any, cast
 
 from ...extensions.points import HICACHE_STORAGE
-from ...messages.cache import Admitted, CacheStep, CacheStepResult
+from ...messages.cache import CacheStep, CacheStepResult
 from ...messages.control import Ack, FlushCache
 from ...messages.envelope import Envelope
-from ...messages.step import PageIO
 from ..runtime import Actor, handles
-from .hicache import HiCacheStorage, page_keys, storage_model_id
-from .kv_cache import Admission, KVCacheManager
+from .hicache import HiCacheStorage, storage_model_id
+from .kv_cache import KVCacheManager
+from .step import HiCacheTier, apply_step
 
 __all__ = ["CacheManagerActor"]
 
@@ -43,8 +44,9 @@ class CacheManagerActor(Actor):
     async def on_start(self) -> None:
         self.kv = self._new_cache()
         self.storage: HiCacheStorage | None = open_storage(self.config)
-        self.model_id = storage_model_id(self.config)
-        self._stored: set[str] = set()  # keys known to be in storage
+        self.tier: HiCacheTier | None = None
+        if self.storage is not None:
+            self.tier = HiCacheTier(self.storage, storage_model_id(self.config))
         self.storage_hits = 0
         self.prefix_waits = 0  # admissions put off to share a prefix being computed
         self.pool_epoch = 0
@@ -105,93 +107,10 @@ class CacheManagerActor(Actor):
                 self.resets += 1
             self.kv = self._new_cache()
             self.pool_epoch = msg.pool_epoch
-        kv = self.kv
-        self._stored.difference_update(msg.forget_keys)
-        stores: list[PageIO] = []
-        for fin in msg.finishes:
-            if fin.rid in kv:
-                if fin.cache and self.storage is not None:
-                    ns = kv.namespace_of(fin.rid)
-                    stores += self._to_store(fin.token_ids, kv.page_table(fin.rid), ns)
-                kv.finish(fin.rid, fin.token_ids, fin.cache)
-        for rid in msg.releases:
-            kv.release(rid)
-        committed = {}
-        for commit in msg.commits:
-            if commit.rid in kv:
-                committed[commit.rid] = table = kv.cache_prefix(commit.rid, commit.token_ids)
-                if self.storage is not None:
-                    ns = kv.namespace_of(commit.rid)
-                    stores += self._to_store(commit.token_ids, table, ns)
-        extended: dict[str, list[int]] = {}
-        for ext in msg.extends:
-            if ext.rid in kv:
-                pages = kv.extend(ext.rid, ext.num_pages)
-                if pages is not None:
-                    extended[ext.rid] = pages
-        admits = list(msg.admits)
-        if msg.longest_prefix_first and len(admits) > 1:
-            lengths = {
-                a.rid: kv.tree.match_prefix(
-                    a.token_ids, touch=False, namespace=a.lora_id
-                ).num_tokens
-                for a in admits
-            }
-            admits.sort(key=lambda a: -lengths[a.rid])  # stable: ties keep queue order
-        admitted: list[Admitted] = []
-        loads: list[PageIO] = []
-        for op in admits:
-            if kv.waits_for(op.token_ids, op.lora_id) is not None:
-                # a running request is computing the prefix this prompt shares: admit it
-                # once that prefix is cached instead of computing it twice
-                self.prefix_waits += 1
-                continue
-            got = kv.admit(
-                op.rid, op.token_ids, op.extra_pages, priority=op.priority, namespace=op.lora_id
-            )
-            if got is None:
-                break
-            if self.storage is not None:
-                got = self._load_from_storage(op.token_ids, got, loads, op.lora_id)
-            admitted.append(Admitted(op.rid, got.cached_len, got.page_ids))
-        return CacheStepResult(
-            admitted=admitted,
-            extended=extended,
-            committed=committed,
-            store_pages=stores,
-            load_pages=loads,
-        )
-
-    def _model_id(self, namespace: str) -> str:
-        """Storage keys cover what the KV bytes depend on: the adapter too."""
-        return f"{self.model_id}\0lora:{namespace}" if namespace else self.model_id
-
-    def _to_store(self, token_ids: list[int], table: list[int], namespace: str) -> list[PageIO]:
-        keys = page_keys(self._model_id(namespace), token_ids, self.kv.page_size)
-        out = [PageIO(k, p) for k, p in zip(keys, table, strict=False) if k not in self._stored]
-        self._stored.update(io.key for io in out)
-        return out
-
-    def _load_from_storage(
-        self, token_ids: list[int], got: Admission, loads: list[PageIO], namespace: str
-    ) -> Admission:
-        """Extend a tree hit with the pages storage holds next (never the last token)."""
-        assert self.storage is not None
-        ps = self.kv.page_size
-        keys = page_keys(self._model_id(namespace), token_ids[:-1], ps)
-        start = got.cached_len // ps
-        wanted = keys[start:]
-        known = 0
-        while known < len(wanted) and wanted[known] in self._stored:
-            known += 1
-        found = known + (self.storage.batch_exists(wanted[known:]) if known < len(wanted) else 0)
-        if not found:
-            return got
-        for i in range(start, start + found):
-            loads.append(PageIO(keys[i], got.page_ids[i]))
-            self._stored.add(keys[i])
-        self.storage_hits += found
-        return Admission(got.cached_len + found * ps, got.page_ids)
+        outcome = apply_step(self.kv, msg, self.tier)
+        self.prefix_waits += outcome.prefix_waits
+        self.storage_hits += outcome.storage_hit_pages
+        return outcome.result
 
 
 def open_storage(config: Any) -> HiCacheStorage | None:

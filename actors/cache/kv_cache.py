@@ -1,8 +1,9 @@
 """KVCacheManager: the page allocator plus the radix prefix cache behind one facade.
 
-This is the whole policy of the cache_manager actor; the actor only decodes a
-step's operations, calls these methods and sends the results back. Pure Python:
-no asyncio, zmq or torch.
+With ``step.apply_step`` (the order of a step's operations, lpm, in-flight prefix
+waits, the HiCache tier) this is the whole policy of the cache_manager actor; the
+actor only hands each step to ``apply_step`` and sends the result back. Pure
+Python: no asyncio, zmq or torch.
 
 Page ownership, which ``check_invariants`` enforces: every page is exactly one of
 *free* (in the allocator), *cached* (owned by the radix tree, possibly shared by

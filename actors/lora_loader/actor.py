@@ -27,7 +27,7 @@ from ...config import DEFAULT_MAX_LORA_RANK
 from ...gpu.lora.targets import BaseShapes
 from ...gpu.model_info import load_model_info
 from ...messages.envelope import Envelope
-from ...messages.errors import ErrorCode
+from ...messages.errors import CallErrorCode, ErrorCode
 from ...messages.lora import (
     ListLoraAdapters,
     LoadLoraAdapter,
@@ -162,19 +162,21 @@ class LoraLoaderActor(Actor):
     @handles(LoadLoraAdapter)
     async def on_load(self, msg: LoadLoraAdapter, env: Envelope) -> LoraAdapterInfo:
         if not msg.lora_name or not msg.lora_path:
-            raise ActorError("send lora_name and lora_path", code="invalid_request", status=400)
+            raise ActorError(
+                "send lora_name and lora_path", code=CallErrorCode.INVALID_REQUEST, status=400
+            )
         try:
             ref = await self._register(msg.lora_name, msg.lora_path, msg.pinned)
         except (AdapterError, RegistryError) as exc:
             status = getattr(exc, "status", 400)
-            raise ActorError(str(exc), code="invalid_request", status=status) from None
+            raise ActorError(str(exc), code=CallErrorCode.INVALID_REQUEST, status=status) from None
         return self._info(ref)
 
     @handles(UnloadLoraAdapter)
     async def on_unload(self, msg: UnloadLoraAdapter, env: Envelope) -> LoraAdapterInfo:
         ref = self.registry.unregister(msg.lora_name)
         if ref is None:
-            raise ActorError(self._unknown(msg.lora_name), code="not_found", status=404)
+            raise ActorError(self._unknown(msg.lora_name), code=CallErrorCode.NOT_FOUND, status=404)
         ref.pinned = False
         self.slots.unpin(ref.lora_id)
         if users := self.registry.in_use(ref.lora_id):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ...messages.base import Message
 from ...messages.control import ErrorReply
 from ...messages.envelope import Kind
+from ...messages.errors import CallErrorCode
 
 __all__ = [
     "ActorDied",
@@ -37,23 +38,27 @@ __all__ = [
 class ActorError(Exception):
     """A failed call to another actor. ``code`` is stable; ``status`` HTTP-like."""
 
-    code = "actor_error"
+    code = CallErrorCode.ACTOR_ERROR
     status = 500
 
-    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: CallErrorCode | None = None, status: int | None = None
+    ) -> None:
         super().__init__(message)
         if code is not None:
-            self.code = code
+            # A code the wire cannot carry fails here, where it is raised, not in the
+            # caller's decoder (an ErrorReply with an unknown code does not decode).
+            self.code = CallErrorCode(code)
         if status is not None:
             self.status = status
 
 
 class RequestTimeout(ActorError):
-    code, status = "timeout", 504
+    code, status = CallErrorCode.TIMEOUT, 504
 
 
 class ActorDied(ActorError):
-    code, status = "actor_died", 503
+    code, status = CallErrorCode.ACTOR_DIED, 503
 
 
 class RemoteError(ActorError):
@@ -61,7 +66,7 @@ class RemoteError(ActorError):
 
 
 def error_from_reply(reply: ErrorReply) -> ActorError:
-    cls = ActorDied if reply.code == ActorDied.code else RemoteError
+    cls = ActorDied if reply.code is CallErrorCode.ACTOR_DIED else RemoteError
     return cls(reply.message, code=reply.code, status=reply.status)
 
 

@@ -50,6 +50,7 @@ from ...messages.control import (
     Stats,
 )
 from ...messages.envelope import Codec, DecodeError, Envelope, Kind
+from ...messages.errors import CallErrorCode
 from .actor import Actor, handles
 from .calls import ActorDied, ActorError, Calls, RemoteError, RequestTimeout, error_from_reply
 from .keys import key_name
@@ -302,7 +303,9 @@ class ActorRuntime:
     def _outbox(self, to: str) -> Outbox:
         address = self.book.get(to)
         if address is None:
-            raise ActorError(f"{self.role}: no address for actor {to!r}", code="unknown_actor")
+            raise ActorError(
+                f"{self.role}: no address for actor {to!r}", code=CallErrorCode.UNKNOWN_ACTOR
+            )
         box = self._outboxes.get(address)
         if box is None:
             box = self._outboxes[address] = self.transport.connect(address, to, self.role)
@@ -386,7 +389,9 @@ class ActorRuntime:
         except ActorError as exc:
             log.warning("%s: cannot reply to %s: %s", self.role, env.sender, exc)
 
-    async def _reply_error(self, env: Envelope, code: str, message: str, status: int) -> None:
+    async def _reply_error(
+        self, env: Envelope, code: CallErrorCode, message: str, status: int
+    ) -> None:
         await self._reply(env, ErrorReply(code=code, message=message, status=status), Kind.ERROR)
 
     # -- receiving -----------------------------------------------------------
@@ -434,7 +439,7 @@ class ActorRuntime:
             return False
         log.warning("%s: dropped %s from %s: %s", self.role, env.tag, env.sender, why)
         if env.kind == Kind.REQUEST and self._learn(env):
-            reply = ErrorReply(code="stale_incarnation", message=why, status=503)
+            reply = ErrorReply(code=CallErrorCode.STALE_INCARNATION, message=why, status=503)
             self.spawn(self._reply(env, reply, Kind.ERROR))
         return True
 
@@ -479,7 +484,7 @@ class ActorRuntime:
         log.warning("%s: rejected a message: %s", self.role, exc)
         bad = exc.envelope
         if bad is not None and bad.kind in (Kind.SEND, Kind.REQUEST) and self._learn(bad):
-            await self._reply_error(bad, "bad_message", str(exc), 400)
+            await self._reply_error(bad, CallErrorCode.BAD_MESSAGE, str(exc), 400)
 
     def _learn(self, env: Envelope) -> bool:
         """Remember where ``env.sender`` lives so replies and later sends reach it."""
@@ -492,9 +497,9 @@ class ActorRuntime:
             out = await self.interceptors.run(msg, "in", env.sender, env.tag)
         except Reject as exc:
             if env.kind in (Kind.SEND, Kind.REQUEST):
-                await self._reply_error(env, "rejected", exc.reason, exc.status)
+                await self._reply_error(env, CallErrorCode.REJECTED, exc.reason, exc.status)
             else:
-                rejected = ErrorReply(code="rejected", message=exc.reason)
+                rejected = ErrorReply(code=CallErrorCode.REJECTED, message=exc.reason)
                 self.calls.deliver(env.reply_to, Kind.ERROR, rejected)
             return None
         return None if out is DROP else out
@@ -541,7 +546,7 @@ class ActorRuntime:
         name = self.actor.handlers.get(type(msg))
         if name is None:
             await self._reply_error(
-                env, "no_handler", f"{self.role} does not accept {env.tag!r}", 400
+                env, CallErrorCode.NO_HANDLER, f"{self.role} does not accept {env.tag!r}", 400
             )
             return
         self._start_handler(env, msg, name)
@@ -624,13 +629,16 @@ class ActorRuntime:
         except asyncio.CancelledError:
             raise
         except Reject as exc:
-            await self._reply_error(env, "rejected", exc.reason, exc.status)
+            await self._reply_error(env, CallErrorCode.REJECTED, exc.reason, exc.status)
         except ActorError as exc:
             await self._reply_error(env, exc.code, str(exc), exc.status)
         except Exception as exc:
             log.exception("%s: handler for %s failed", self.role, env.tag)
             await self._reply_error(
-                env, "handler_error", f"{self.role}: {type(exc).__name__}: {exc}", 500
+                env,
+                CallErrorCode.HANDLER_ERROR,
+                f"{self.role}: {type(exc).__name__}: {exc}",
+                500,
             )
             await self._guard(self.actor.on_failure(exc, msg), msg)
         finally:

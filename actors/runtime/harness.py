@@ -58,6 +58,7 @@ from ...extensions.interceptors import Interceptor, InterceptorChain, Reject
 from ...messages.base import Message
 from ...messages.control import Ack, ErrorReply, PeerDown, PeerUp
 from ...messages.envelope import Codec, Envelope, Kind
+from ...messages.errors import CallErrorCode
 from .dispatch import (
     RUNTIME_MESSAGES,
     Actor,
@@ -360,11 +361,11 @@ class ActorHarness:
             raise
         except Exception as exc:
             if is_request:
-                code, status = "handler_error", 500
+                code, status = CallErrorCode.HANDLER_ERROR, 500
                 if isinstance(exc, ActorError):
                     code, status = exc.code, exc.status
                 elif isinstance(exc, Reject):
-                    code, status = "rejected", exc.status
+                    code, status = CallErrorCode.REJECTED, exc.status
                 await self._respond(
                     record, ErrorReply(code=code, message=str(exc), status=status), Kind.ERROR
                 )

@@ -9,9 +9,11 @@ Liveness is the actors' own (``peers``: heartbeats between every pair, incarnati
 ids); the launcher adds two things a peer cannot do. It sees a child process exit
 within milliseconds (its pidfd) and tells everyone at once (``PeerDown`` with the
 dead incarnation), and it kills a child whose heartbeats stopped (it hangs). Then,
-by ``deploy.restart_policy``, it starts the role again after a backoff (0.5 s,
-doubling up to 10 s), at most ``max_restarts`` times in ``restart_window_s``, and
-says ``PeerUp`` when the new incarnation is ready. Stopping, the gateway (if it is
+by ``deploy.restart_policy``, it starts the role again, at most ``max_restarts``
+times in ``restart_window_s``, and says ``PeerUp`` when the new incarnation is ready.
+A role that served for ``STABLE_LIFE_S`` before it died restarts at once (a kill, an
+OOM: every second of the wait is a second of 503s); one that keeps dying soon after
+its start backs off (0.5 s, doubling up to 10 s) so a crash loop does not spin. Stopping, the gateway (if it is
 a member) goes first, so it can drain the requests in flight while the actors
 still serve them.
 """
@@ -48,6 +50,7 @@ __all__ = ["ACTOR_ROLES", "Launcher", "StartupError", "make_addresses", "run_act
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 10.0
+STABLE_LIFE_S = 10.0  # ready this long before a death: not a crash loop, no backoff
 GATEWAY = "gateway"  # started first (it binds the HTTP port), stopped first (it drains)
 
 
@@ -83,6 +86,8 @@ class _Member:
     incarnation: int = 0
     restarts: int = 0  # in all
     recent: list[float] = field(default_factory=list)  # restart times within the window
+    ready_at: float = 0.0  # when the current incarnation said READY (0: not yet)
+    quick_deaths: int = 0  # deaths in a row within STABLE_LIFE_S of a start
 
 
 class _SupervisorActor(Actor):
@@ -99,6 +104,7 @@ class _SupervisorActor(Actor):
             member.info = dict(msg.info)
             member.pid, member.incarnation = msg.pid, msg.incarnation
             member.alive = True
+            member.ready_at = time.monotonic()
             member.ready.set()
             if self.launcher.on_ready is not None:
                 self.launcher.on_ready(msg.role)
@@ -217,6 +223,7 @@ class Launcher:
     def _spawn(self, member: _Member) -> None:
         member.ready = asyncio.Event()
         member.alive = False
+        member.ready_at = 0.0
         if self.placement == "inproc":
             options = RuntimeOptions.from_deploy(
                 self.config.deploy, supervisor="supervisor", book=dict(self.book)
@@ -300,7 +307,11 @@ class Launcher:
                 deploy.restart_window_s,
             )
             return None
-        return min(MAX_BACKOFF_S, deploy.restart_backoff_s * 2 ** len(member.recent))
+        stable = member.ready_at > 0 and now - member.ready_at >= STABLE_LIFE_S
+        member.quick_deaths = 0 if stable else member.quick_deaths + 1
+        if member.quick_deaths == 0:
+            return 0.0
+        return min(MAX_BACKOFF_S, deploy.restart_backoff_s * 2 ** (member.quick_deaths - 1))
 
     async def _handle_death(self, member: _Member, reason: str) -> None:
         dead = PeerDown(role=member.role, reason=reason, incarnation=member.incarnation)

@@ -18,6 +18,7 @@ and ``--grammar-backend my_backend`` selects it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -68,6 +69,24 @@ class BaseGrammarObject(ABC):
     @abstractmethod
     def copy(self) -> BaseGrammarObject:
         """An independent matcher in the same state (sharing the compiled constraint)."""
+
+    # A step's matchers of one class go through these together: a backend with batch
+    # calls overrides them (one native call for the batch instead of a Python round
+    # per request); the results are those of the one-at-a-time methods.
+    @classmethod
+    def fill_vocab_masks(
+        cls, grammars: Sequence[BaseGrammarObject], mask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
+        """``grammars[k].fill_vocab_mask(mask, rows[k])`` for every k."""
+        for grammar, row in zip(grammars, rows, strict=True):
+            grammar.fill_vocab_mask(mask, row)
+
+    @classmethod
+    def accept_tokens(
+        cls, grammars: Sequence[BaseGrammarObject], tokens: Sequence[int]
+    ) -> list[bool]:
+        """``grammars[k].accept_token(tokens[k])`` for every k."""
+        return [g.accept_token(t) for g, t in zip(grammars, tokens, strict=True)]
 
     @property
     def constrains_next(self) -> bool:

@@ -1,5 +1,6 @@
 """The ``llguidance`` grammar backend: an Earley parser over a lazy lexer, so building a
-matcher is cheap and masks are computed as decoding goes (GIL released).
+matcher is cheap and masks are computed as decoding goes (GIL released). A step's
+masks fill, and its tokens are accepted, in one ``LLExecutor`` call each.
 
 Every constraint becomes an llguidance grammar text (JSON schema, regex, GBNF-style
 EBNF converted to Lark, structural tags as lazy triggers), checked by building its
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -56,8 +58,9 @@ def _strict(schema: Any) -> Any:
 
 
 class GuidanceGrammar(BaseGrammarObject):
-    def __init__(self, matcher: object) -> None:
+    def __init__(self, matcher: object, executor: Any) -> None:
         self.matcher = matcher
+        self.executor = executor  # the backend's llguidance.LLExecutor
 
     def accept_token(self, token: int) -> bool:
         return bool(self.matcher.consume_token(token))  # type: ignore[attr-defined]
@@ -74,7 +77,26 @@ class GuidanceGrammar(BaseGrammarObject):
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())  # type: ignore[attr-defined]
 
     def copy(self) -> GuidanceGrammar:
-        return GuidanceGrammar(self.matcher.deep_copy())  # type: ignore[attr-defined]
+        return GuidanceGrammar(self.matcher.deep_copy(), self.executor)  # type: ignore[attr-defined]
+
+    @classmethod
+    def fill_vocab_masks(
+        cls, grammars: Sequence[BaseGrammarObject], mask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
+        mine = cast("Sequence[GuidanceGrammar]", grammars)
+        if not mask.is_contiguous():
+            raise ValueError("the mask rows must be one contiguous block")
+        pairs = [(g.matcher, row) for g, row in zip(mine, rows, strict=True)]
+        row_bytes = mask.shape[1] * mask.element_size()
+        mine[0].executor.unsafe_compute_mask_ptr(pairs, mask.data_ptr(), row_bytes, mask.shape[0])
+
+    @classmethod
+    def accept_tokens(
+        cls, grammars: Sequence[BaseGrammarObject], tokens: Sequence[int]
+    ) -> list[bool]:
+        mine = cast("Sequence[GuidanceGrammar]", grammars)
+        pairs = [(g.matcher, t) for g, t in zip(mine, tokens, strict=True)]
+        return [bool(ok) for ok in mine[0].executor.consume_token_par(pairs)]
 
 
 class GuidanceBackend(BaseGrammarBackend):
@@ -89,12 +111,14 @@ class GuidanceBackend(BaseGrammarBackend):
         self.tokenizer = llguidance.hf.from_tokenizer(
             ctx.tokenizer, n_vocab=ctx.vocab_size, eos_token=list(ctx.eos_token_ids)
         )
+        # One thread: the mask thread runs beside the forward pass, which has the cores.
+        self._executor = llguidance.LLExecutor(num_threads=1)
 
     def _grammar(self, grammar: str) -> GuidanceGrammar:
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
-        return GuidanceGrammar(matcher)
+        return GuidanceGrammar(matcher, self._executor)
 
     def _json_options(self, schema: Any) -> Any:
         """``schema`` made strict, with the whitespace rule in its ``x-guidance``."""

@@ -22,8 +22,9 @@ every compiled grammar and buy nothing on one worker.)
   constraint never loads a grammar library.
 
 Per step, ``fill_async`` fills the bitmask rows of the batch's constrained requests
-on a thread of its own while the model's forward pass runs; the sampler applies
-them; ``accept`` advances each matcher by its sampled token.
+on a thread of its own while the model's forward pass runs, one batch call per
+backend; the sampler applies them; ``accept_all`` advances each matcher by its
+sampled token, again one call per backend.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ...config import GrammarConfig
@@ -109,6 +111,7 @@ class GrammarManager:
         self._grammars: dict[str, BaseGrammarObject] = {}
         self._served_by: dict[str, str] = {}
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
+        self._stop: torch.Tensor | None = None
         self._prepared: Future[None] | None = None
         self.order = backend_order(cfg)
 
@@ -254,34 +257,61 @@ class GrammarManager:
         if self._bitmask.shape[0] < len(rids) or self._bitmask.shape[1] != words:
             self._bitmask = torch.empty(max(16, 2 * len(rids)), words, dtype=torch.int32)
         out: dict[int, torch.Tensor] = {}
+        batches: dict[type[BaseGrammarObject], tuple[list[BaseGrammarObject], list[int]]] = {}
         for i, rid in enumerate(rids):
             grammar = self._grammars[rid]
             if grammar.is_terminated():  # its stop token was taken and ignored: only more
-                self._stop_only(i)
+                self._bitmask[i] = self._stop_row(words)
             elif grammar.constrains_next:
-                grammar.fill_vocab_mask(self._bitmask, i)
+                batch = batches.setdefault(type(grammar), ([], []))
+                batch[0].append(grammar)
+                batch[1].append(i)
             else:
                 continue
             out[i] = self._bitmask[i]
+        for cls, (grammars, rows) in batches.items():  # one call per backend
+            cls.fill_vocab_masks(grammars, self._bitmask, rows)
         return out
 
-    def _stop_only(self, row: int) -> None:
-        self._bitmask[row] = 0
-        for token in self.setup().context.eos_token_ids:
-            word, bit = divmod(token, 32)
-            self._bitmask[row, word] |= torch.tensor(1 << bit).to(torch.int32)
+    def _stop_row(self, words: int) -> torch.Tensor:
+        """The mask of a finished grammar: its stop tokens only (built once)."""
+        if self._stop is None or self._stop.shape[0] != words:
+            bits = torch.zeros(words * 32, dtype=torch.bool)
+            bits[list(self.setup().context.eos_token_ids)] = True
+            packed = np.packbits(bits.numpy(), bitorder="little").view(np.int32)
+            self._stop = torch.from_numpy(packed.copy())
+        return self._stop
 
     def accept(self, rid: str, token: int) -> bool:
         """Advance ``rid``'s matcher; False (and its matcher dropped) if it refused."""
-        grammar = self._grammars.get(rid)
-        if grammar is None:
-            return True
-        if grammar.is_terminated():
-            return token in self.setup().context.eos_token_ids
-        if grammar.accept_token(token):
-            return True
-        self.release(rid)
-        return False
+        return rid not in self.accept_all([(rid, token)])
+
+    def accept_all(self, picks: Sequence[tuple[str, int]]) -> list[str]:
+        """Advance each ``(rid, token)``'s matcher, one batch call per backend; returns the
+        rids whose matcher refused its token, in ``picks`` order. A refusing matcher is
+        dropped; a finished one is kept (it allows only its stop tokens, as before)."""
+        eos = self.setup().context.eos_token_ids if self._grammars else ()
+        refused: set[str] = set()
+        batches: dict[type[BaseGrammarObject], tuple[list[BaseGrammarObject], list[int]]] = {}
+        taking: dict[type[BaseGrammarObject], list[str]] = {}
+        for rid, token in picks:
+            grammar = self._grammars.get(rid)
+            if grammar is None:
+                continue
+            if grammar.is_terminated():
+                if token not in eos:
+                    refused.add(rid)
+                continue
+            batch = batches.setdefault(type(grammar), ([], []))
+            batch[0].append(grammar)
+            batch[1].append(token)
+            taking.setdefault(type(grammar), []).append(rid)
+        for cls, (grammars, tokens) in batches.items():
+            for rid, ok in zip(taking[cls], cls.accept_tokens(grammars, tokens), strict=True):
+                if not ok:
+                    self.release(rid)
+                    refused.add(rid)
+        return [rid for rid, _ in picks if rid in refused]
 
     def close(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)

@@ -3,13 +3,17 @@ precomputed token-mask cache, compiled per constraint.
 
 xgrammar's compiler runs in C++ with the GIL released, so compiles in the manager's
 threads run beside the forward pass. Its own compile cache is off: the manager caches
-compiled constraints (bounded, one place to look).
+compiled constraints (bounded, one place to look). A step's masks fill, and its tokens
+are accepted, in one batch call each (``BatchGrammarMatcher``): 32 rows took ~0.13 ms
+one at a time, mostly Python, against ~0.05 ms batched.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -27,9 +31,10 @@ def _message(exc: BaseException) -> str:
 
 
 class XGrammarGrammar(BaseGrammarObject):
-    def __init__(self, matcher: object, keep: torch.Tensor | None = None) -> None:
+    def __init__(self, matcher: object, keep: torch.Tensor | None, batch: Any) -> None:
         self.matcher = matcher
         self.keep = keep  # a bitmask ANDed into every mask (see _json_tokens)
+        self.batch = batch  # the backend's xgrammar.BatchGrammarMatcher
 
     def accept_token(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))  # type: ignore[attr-defined]
@@ -46,7 +51,30 @@ class XGrammarGrammar(BaseGrammarObject):
             mask[idx] &= self.keep
 
     def copy(self) -> XGrammarGrammar:
-        return XGrammarGrammar(self.matcher.fork(), self.keep)  # type: ignore[attr-defined]
+        return XGrammarGrammar(self.matcher.fork(), self.keep, self.batch)  # type: ignore[attr-defined]
+
+    @classmethod
+    def fill_vocab_masks(
+        cls, grammars: Sequence[BaseGrammarObject], mask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
+        mine = cast("Sequence[XGrammarGrammar]", grammars)
+        mine[0].batch.batch_fill_next_token_bitmask([g.matcher for g in mine], mask, list(rows))
+        # The keep masks in numpy: one thread. A torch op over the batch's rows would
+        # start a thread team of its own beside the forward's, on the same cores.
+        words = mask.numpy()
+        keeps: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for g, row in zip(mine, rows, strict=True):
+            if g.keep is not None:
+                keeps.setdefault(id(g.keep), (g.keep, []))[1].append(row)
+        for keep, keep_rows in keeps.values():
+            words[keep_rows] &= keep.numpy()
+
+    @classmethod
+    def accept_tokens(
+        cls, grammars: Sequence[BaseGrammarObject], tokens: Sequence[int]
+    ) -> list[bool]:
+        mine = cast("Sequence[XGrammarGrammar]", grammars)
+        return mine[0].batch.batch_accept_token([g.matcher for g in mine], list(tokens))  # type: ignore[no-any-return]
 
 
 class XGrammarGrammarBackend(BaseGrammarBackend):
@@ -61,6 +89,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             ctx.tokenizer, vocab_size=ctx.vocab_size, stop_token_ids=list(ctx.eos_token_ids)
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=ctx.threads, cache_enabled=False)
+        # One thread: the mask thread runs beside the forward pass, which has the cores.
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._json_keep = self._json_tokens(info.decoded_vocab)
 
     def _json_tokens(self, vocab: list[bytes]) -> torch.Tensor:
@@ -88,7 +118,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             compiled = compile_fn(*args, **kwargs)  # type: ignore[operator]
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors derive from these
             raise GrammarError(_message(exc)) from None
-        return XGrammarGrammar(self._xgr.GrammarMatcher(compiled), keep)
+        return XGrammarGrammar(self._xgr.GrammarMatcher(compiled), keep, self._batch)
 
     def dispatch_json(self, schema: str) -> XGrammarGrammar:
         return self._grammar(

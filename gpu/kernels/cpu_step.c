@@ -15,6 +15,13 @@
  * (gemv.h's lin_t: GGUF blocks, fp32/bf16/fp16 rows), KV in the pool's dtype (fp32 or
  * bf16); activations are fp32 throughout. gpu/kernels/step.py builds the model_t once
  * (the shape of a CUDA graph: Python describes the model once, not once a step).
+ *
+ * With LoRA adapters (model_t.lora, and a slot per row for the step), each projection
+ * gets its rows' deltas (lora.h) where its output is made, without another barrier:
+ * the shrinks of qkv, o and down split the rows over the team in the phase that makes
+ * the base output, and the expands run in the phase after (qkv's in each attention
+ * task, on its heads' columns; o's and down's on every thread's own residual rows);
+ * gate and up, whose outputs meet SiLU as they are made, shrink on every thread.
  */
 #include <math.h>
 #include <omp.h>
@@ -25,6 +32,7 @@
 #include <string.h>
 #include "attend.h"
 #include "gemv.h"
+#include "lora.h"
 
 typedef struct {
     lin_t qkv, o, gate_up, down;
@@ -41,7 +49,26 @@ typedef struct {
     lin_t head;
     void *kv; /* [layers, 2, kv_heads, num_pages, page_size, head_dim] */
     int64_t kv_bf16, num_pages, page_size;
+    const lora_t *lora; /* [num_layers][LORA_N], or NULL: the model has no adapters */
+    int64_t lora_rank;  /* the largest rank any slot may have */
 } model_t;
+
+enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_N };
+
+/* y[0, c1 - c0) += row's delta of projection L from its shrink u, when its slot adapts L */
+static inline void lora_add(const lora_t *L, int64_t slot, const float *u, float *y, int64_t c0,
+                            int64_t c1) {
+    if (lora_rank(L, slot)) lora_expand(L, slot, u, y, c0, c1);
+}
+
+/* u[b * nm + i] (each R floats) = the shrink of x's row b by projection m0 + i, rows [lo, hi) */
+static void lora_shrinks(const lora_t *LL, int m0, int nm, const int32_t *row_slots,
+                         const float *x, int64_t xs, int64_t lo, int64_t hi, float *u, int64_t R) {
+    for (int64_t b = lo; b < hi; b++)
+        for (int i = 0; i < nm; i++)
+            if (lora_rank(&LL[m0 + i], row_slots[b]))
+                lora_shrink(&LL[m0 + i], row_slots[b], x + b * xs, u + (b * nm + i) * R);
+}
 
 #define SILU_CHUNK 64 /* gate/up columns computed together: [B, 64] twice stays in L1 */
 
@@ -126,15 +153,23 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
                   acc, out);
 }
 
-/* act[:, c0:c1] = silu(gate) * up, gate and up computed SILU_CHUNK columns at a time */
+/* act[:, c0:c1] = silu(gate) * up, gate and up computed SILU_CHUNK columns at a time;
+   with ll (this layer's adapters), each row's gate and up deltas from u_gu first */
 static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hidden,
                          int64_t inter, int64_t c0, int64_t c1, float *tg, float *tu,
-                         float *act) {
+                         float *act, const lora_t *ll, const int32_t *row_slots,
+                         const float *u_gu, int64_t R) {
     for (int64_t c = c0; c < c1; c += SILU_CHUNK) {
         const int64_t w = c1 - c < SILU_CHUNK ? c1 - c : SILU_CHUNK;
         /* lin_cols writes y[r * ys + col]: point y so column c lands at tg[0] */
         lin_cols(L, xn, B, hidden, c, c + w, tg - c, w);
         lin_cols(L, xn, B, hidden, inter + c, inter + c + w, tu - (inter + c), w);
+        if (ll)
+            for (int64_t r = 0; r < B; r++) {
+                const float *u = u_gu + r * 2 * R;
+                lora_add(&ll[LORA_GATE], row_slots[r], u, tg + r * w, c, c + w);
+                lora_add(&ll[LORA_UP], row_slots[r], u + R, tu + r * w, c, c + w);
+            }
         for (int64_t r = 0; r < B; r++) {
             const float *g = tg + r * w, *u = tu + r * w;
             float *o = act + r * inter + c;
@@ -148,21 +183,25 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
 /*
  * tokens [B]; cos, sin [B, head_dim / 2] fp32 (each sequence's new position);
  * slots [B] flat KV slot of each new token; pages [B, table_stride] page ids;
- * seq_lens [B] tokens to attend to (the new one included); logits [B, vocab] fp32.
+ * seq_lens [B] tokens to attend to (the new one included); logits [B, vocab] fp32;
+ * row_slots [B] each row's adapter slot (< 0: the base model), or NULL: no adapters.
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
 int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, const float *cos_t,
                         const float *sin_t, const int64_t *slots, const int64_t *pages,
                         int64_t table_stride, const int64_t *seq_lens, int64_t max_len,
-                        float *logits, int threads) {
+                        float *logits, const int32_t *row_slots, int threads) {
     const int64_t Hd = M->hidden, D = M->head_dim, H = M->heads, Hkv = M->kv_heads;
     const int64_t I = M->inter, G = H / Hkv;
     const int64_t qkv_n = (H + 2 * Hkv) * D;
     const float eps = (float)M->eps;
-    /* shared between the threads: each phase's output */
-    float *shared = malloc(sizeof(float) * (size_t)(B * (qkv_n + H * D + Hd + I)));
+    const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
+    if (R > LORA_MAX_RANK) return -1;
+    /* shared between the threads: each phase's output (and the adapters' shrinks) */
+    float *shared = malloc(sizeof(float) * (size_t)(B * (qkv_n + H * D + Hd + I + 5 * R)));
     if (shared == NULL) return -1;
     float *qkv = shared, *attn = qkv + B * qkv_n, *lin_out = attn + B * H * D, *act = lin_out + B * Hd;
+    float *u_qkv = act + B * I, *u_o = u_qkv + B * 3 * R, *u_down = u_o + B * R;
     int failed = 0;
     team_t team = {0};
 #pragma omp parallel num_threads(threads)
@@ -170,7 +209,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t phase = 0;
         float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + G * D +
-                                                     G * max_len + 8));
+                                                     G * max_len + 2 * B * R + 8));
         if (res == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -179,6 +218,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         if (!failed) {
             float *xn = res + B * Hd, *tg = xn + B * Hd, *tu = tg + B * SILU_CHUNK;
             float *acc = tu + B * SILU_CHUNK, *scores = acc + G * D;
+            float *u_gu = scores + G * max_len; /* this thread's gate and up shrinks */
             for (int64_t b = 0; b < B; b++) {
                 const int64_t tok = tokens[b];
                 if (M->embed_bf16)
@@ -191,12 +231,24 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             int64_t c0, c1, lo, hi;
             for (int64_t l = 0; l < M->num_layers; l++) {
                 const layer_t *L = &M->layers[l];
+                const lora_t *ll = R ? M->lora + l * LORA_N : NULL;
                 lin_part(qkv_n, t, nt, &c0, &c1);
                 lin_cols(&L->qkv, xn, B, Hd, c0, c1, qkv, qkv_n);
+                share(B, t, nt, &lo, &hi);
+                if (ll) lora_shrinks(ll, LORA_Q, 3, row_slots, xn, Hd, lo, hi, u_qkv, R);
                 team_wait(&team, nt, &phase);
                 share(B * Hkv, t, nt, &lo, &hi);
                 for (int64_t task = lo; task < hi; task++) {
                     const int64_t b = task / Hkv, h = task % Hkv;
+                    if (ll) { /* this task's columns of q, k and v get their deltas */
+                        const int64_t s = row_slots[b];
+                        float *row = qkv + b * qkv_n;
+                        const float *u = u_qkv + b * 3 * R;
+                        lora_add(&ll[LORA_Q], s, u, row + h * G * D, h * G * D, (h + 1) * G * D);
+                        lora_add(&ll[LORA_K], s, u + R, row + (H + h) * D, h * D, (h + 1) * D);
+                        lora_add(&ll[LORA_V], s, u + 2 * R, row + (H + Hkv + h) * D, h * D,
+                                 (h + 1) * D);
+                    }
                     attention_task(M, l, b, h, qkv, qkv_n, cos_t, sin_t, slots[b],
                                    pages + b * table_stride, seq_lens[b], scores, acc,
                                    attn + b * H * D + h * G * D);
@@ -204,16 +256,27 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 team_wait(&team, nt, &phase);
                 lin_part(Hd, t, nt, &c0, &c1);
                 lin_cols(&L->o, attn, B, H * D, c0, c1, lin_out, Hd);
+                share(B, t, nt, &lo, &hi);
+                if (ll) lora_shrinks(ll, LORA_O, 1, row_slots, attn, H * D, lo, hi, u_o, R);
                 team_wait(&team, nt, &phase);
                 add_rows(res, lin_out, B * Hd);
+                if (ll)
+                    for (int64_t b = 0; b < B; b++)
+                        lora_add(&ll[LORA_O], row_slots[b], u_o + b * R, res + b * Hd, 0, Hd);
                 norm_rows(res, L->post_norm, xn, B, Hd, eps);
+                if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xn, Hd, 0, B, u_gu, R);
                 lin_part(I, t, nt, &c0, &c1);
-                gate_up_silu(&L->gate_up, xn, B, Hd, I, c0, c1, tg, tu, act);
+                gate_up_silu(&L->gate_up, xn, B, Hd, I, c0, c1, tg, tu, act, ll, row_slots, u_gu, R);
                 team_wait(&team, nt, &phase);
                 lin_part(Hd, t, nt, &c0, &c1);
                 lin_cols(&L->down, act, B, I, c0, c1, lin_out, Hd);
+                share(B, t, nt, &lo, &hi);
+                if (ll) lora_shrinks(ll, LORA_DOWN, 1, row_slots, act, I, lo, hi, u_down, R);
                 team_wait(&team, nt, &phase);
                 add_rows(res, lin_out, B * Hd);
+                if (ll)
+                    for (int64_t b = 0; b < B; b++)
+                        lora_add(&ll[LORA_DOWN], row_slots[b], u_down + b * R, res + b * Hd, 0, Hd);
                 const float *next = l + 1 < M->num_layers ? M->layers[l + 1].in_norm : M->final_norm;
                 norm_rows(res, next, xn, B, Hd, eps);
             }

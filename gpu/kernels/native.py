@@ -4,14 +4,14 @@ per instruction set.
 PyTorch has no paged-attention op for the CPU, and a torch C++ extension takes
 a minute to build; a plain C file with OpenMP builds in about a second with the
 system compiler. Each source builds once per ISA level it is asked for (``ISAS``:
-``avx512`` = x86-64-v4, ``avx2`` = x86-64-v3, ``generic`` = the compiler's baseline,
-which is what ARM gets), so the binary depends on the level and not on the build
-machine; ``best_isa`` picks the highest level this CPU's flags allow, and
-``ACTORLM_ISA`` caps it (``ACTORLM_ISA=avx2`` runs the AVX2 build on an AVX-512 CPU).
-The library is cached under ``$ACTORLM_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/actorlm``, or ``~/.cache/actorlm``) by a hash of the source and its
-``#include "..."`` files, the flags and the compiler, written atomically so several
-workers can race to build it.
+``avx512bf16`` = x86-64-v4 with AVX512-BF16, ``avx512`` = x86-64-v4, ``avx2`` =
+x86-64-v3, ``generic`` = the compiler's baseline, which is what ARM gets), so the
+binary depends on the level and not on the build machine; ``best_isa`` picks the
+highest level this CPU's flags allow, and ``ACTORLM_ISA`` caps it
+(``ACTORLM_ISA=avx2`` runs the AVX2 build on an AVX-512 CPU). The library is cached
+under ``$ACTORLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/actorlm``, or
+``~/.cache/actorlm``) by a hash of the source and its ``#include "..."`` files, the
+flags and the compiler, written atomically so several workers can race to build it.
 
 Without a compiler, or with ``ACTORLM_NATIVE=0``, ``load`` returns None and the
 caller keeps its pure-PyTorch path.
@@ -64,15 +64,17 @@ class Isa:
 
 
 _X86_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
-# Highest first. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL over v3; AVX512-BF16 and AMX add
-# nothing the kernels need (bf16 widens to fp32 with a shift; decode reads memory),
-# so they pick oneDNN's bf16 GEMMs (the dtype), not another build.
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Highest first. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL over v3. AVX512-BF16's dot product
+# serves the block weights at batches beyond one tile of rows (gemv.h, dpbf16.h);
+# AMX adds nothing the kernels use (they pick oneDNN's bf16 GEMMs through the dtype).
 ISAS: tuple[Isa, ...] = (
     Isa(
-        "avx512",
-        _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-        ("-march=x86-64-v4", "-mtune=generic"),
+        "avx512bf16",
+        _X86_V4 | {"avx512_bf16"},
+        ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
     ),
+    Isa("avx512", _X86_V4, ("-march=x86-64-v4", "-mtune=generic")),
     Isa("avx2", _X86_V3, ("-march=x86-64-v3", "-mtune=generic")),
     Isa("generic", frozenset(), ()),
 )

@@ -29,6 +29,7 @@ __all__ = [
     "QK",
     "Lin",
     "PackedWeight",
+    "dequantize_blocks",
     "gemm",
     "lin_blocks",
     "lin_dense",
@@ -151,11 +152,19 @@ def _pack_q8_0(blocks: np.ndarray) -> PackedWeight | None:
     )
 
 
-def pack(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight`` [N, K] as Q4_1 or Q8_0 blocks that rebuild it exactly, else None."""
+def pack(weight: torch.Tensor, native_pack: bool = True) -> PackedWeight | None:
+    """``weight`` [N, K] as Q4_1 or Q8_0 blocks that rebuild it exactly, else None.
+    ``cpu_pack.c`` finds them where it builds (the same result, in one pass), NumPy
+    elsewhere or with ``native_pack=False``."""
     if weight.dim() != 2 or weight.shape[1] % QK or weight.numel() == 0:
         return None
-    w = weight.detach().to("cpu", torch.float32).contiguous().numpy()
+    t = weight.detach().to("cpu", torch.float32).contiguous()
+    lib = _pack_lib() if native_pack else None
+    if lib is not None:
+        # as below: the first row picks the format, then every row must be exact in it
+        kind = next((k for k in ("q4_1", "q8_0") if _find(lib, k, t[:1]) is not None), None)
+        return None if kind is None else _find(lib, kind, t)
+    w = t.numpy()
     blocks = w.reshape(w.shape[0], -1, QK)
     with np.errstate(all="ignore"):  # inf/nan weights fail the checks
         # one row picks the format: a weight of another format costs no full pass
@@ -163,6 +172,54 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
         if fmt is None or not np.isfinite(blocks).all():
             return None
         return fmt(blocks)
+
+
+@cache
+def _pack_lib() -> Any | None:
+    lib = native.load(Path(__file__).with_name("cpu_pack.c"))
+    if lib is not None:
+        lib.actorlm_find_q4_1.argtypes = [_P, _I, _I, _P, _P, _P, _T]
+        lib.actorlm_find_q8_0.argtypes = [_P, _I, _I, _P, _P, _T]
+        lib.actorlm_find_q4_1.restype = lib.actorlm_find_q8_0.restype = ctypes.c_int
+        for name in ("actorlm_dequant_q4_1", "actorlm_dequant_q8_0"):
+            getattr(lib, name).argtypes = [_P, _I, _P, _T]
+            getattr(lib, name).restype = None
+    return lib
+
+
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+
+
+def dequantize_blocks(raw: np.ndarray, kind: str) -> np.ndarray | None:
+    """GGUF ``kind`` blocks (``raw``: a tensor's bytes, C-contiguous) as fp32 [blocks *
+    32], the values ``gguf.quants.dequantize`` gives, or None where ``cpu_pack.c`` does
+    not build (the caller then uses gguf.quants)."""
+    lib = _pack_lib()
+    if lib is None or kind not in _BLOCK_BYTES or not raw.flags.c_contiguous:
+        return None
+    blocks = raw.size // _BLOCK_BYTES[kind]
+    out = np.empty(blocks * QK, dtype=np.float32)
+    fn = lib.actorlm_dequant_q4_1 if kind == "q4_1" else lib.actorlm_dequant_q8_0
+    fn(raw.ctypes.data, blocks, out.ctypes.data, torch.get_num_threads())
+    return out
+
+
+def _find(lib: Any, kind: str, w: torch.Tensor) -> PackedWeight | None:
+    """``w`` [N, K] (contiguous fp32) as ``kind`` blocks by ``cpu_pack.c``, or None."""
+    n, k = w.shape
+    g, nb = -(-n // GROUP), k // QK
+    d = torch.zeros(g, nb, GROUP, dtype=torch.float16)  # padding rows stay zero
+    threads = torch.get_num_threads()
+    if kind == "q4_1":
+        q = torch.zeros(g, nb, QK // 2, GROUP, dtype=torch.uint8)
+        m = torch.zeros_like(d)
+        ok = lib.actorlm_find_q4_1(
+            w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), threads
+        )
+        return PackedWeight(kind, q, d, m, (n, k)) if ok else None
+    q = torch.zeros(g, nb, QK, GROUP, dtype=torch.int8)
+    ok = lib.actorlm_find_q8_0(w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(), threads)
+    return PackedWeight(kind, q, d, None, (n, k)) if ok else None
 
 
 class Lin(ctypes.Structure):
@@ -176,6 +233,7 @@ class Lin(ctypes.Structure):
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
+        ("act_bf16", ctypes.c_int64),  # x may round to bf16 (a bf16 model): dot products
     ]
 
     keep: tuple[torch.Tensor, ...] = ()

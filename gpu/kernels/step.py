@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import native
+from .lora import LoraDesc
 from .qgemm import Lin
 
 __all__ = ["DecodeStep", "LayerWeights", "StepWeights", "native_step"]
@@ -58,6 +59,8 @@ class _Model(ctypes.Structure):
         ("kv_bf16", _I),
         ("num_pages", _I),
         ("page_size", _I),
+        ("lora", ctypes.POINTER(LoraDesc)),
+        ("lora_rank", _I),
     ]
 
 
@@ -68,7 +71,7 @@ def native_step(level: str = "") -> Any | None:
     if lib is None:
         return None
     step = lib.actorlm_decode_step
-    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _T]
+    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _T]
     step.restype = ctypes.c_int
     attn = lib.actorlm_paged_decode_kv
     attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _T]
@@ -130,6 +133,14 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).contiguous()
 
 
+def _lin(lin: Lin, act_bf16: bool) -> Lin:
+    """A copy of ``lin`` (the same weights) whose inputs may round to bf16 or not; the
+    linear method's own descriptor stays as it was."""
+    out = Lin.from_buffer_copy(lin)
+    out.act_bf16 = int(act_bf16)
+    return out
+
+
 class DecodeStep:
     """One model over one KV pool, built once; ``__call__`` runs a decode step."""
 
@@ -147,9 +158,16 @@ class DecodeStep:
         self.vocab = weights.head.n
         norms = [(_f32(x.in_norm), _f32(x.post_norm)) for x in weights.layers]
         final = _f32(weights.final_norm)
+        # a bf16 model's linears may round their inputs to bf16, as its forward does:
+        # at larger batches they then take the CPU's bf16 dot products (gemv.h)
+        bf16 = weights.embed.dtype == torch.bfloat16
         layers = (_Layer * len(weights.layers))(
             *(
-                _Layer(x.qkv, x.o, x.gate_up, x.down, a.data_ptr(), b.data_ptr())
+                _Layer(
+                    *(_lin(w, bf16) for w in (x.qkv, x.o, x.gate_up, x.down)),
+                    a.data_ptr(),
+                    b.data_ptr(),
+                )
                 for x, (a, b) in zip(weights.layers, norms, strict=True)
             )
         )
@@ -168,12 +186,27 @@ class DecodeStep:
             embed=weights.embed.data_ptr(),
             embed_bf16=int(weights.embed.dtype == torch.bfloat16),
             final_norm=final.data_ptr(),
-            head=weights.head,
+            head=_lin(weights.head, bf16),
             kv=kv.data_ptr(),
             kv_bf16=int(kv.dtype == torch.bfloat16),
             num_pages=kv.shape[3],
             page_size=page_size,
         )
+
+    def set_lora(self, descs: list[LoraDesc], max_rank: int) -> None:
+        """Adapters for later steps: ``descs`` each layer's q, k, v, o, gate, up and down
+        (``kernels/lora.py``, in that order), slots of rank at most ``max_rank``."""
+        per_layer = 7
+        if len(descs) != per_layer * len(self.weights.layers):
+            raise ValueError(f"{len(descs)} LoRA descriptors for {len(self.weights.layers)} layers")
+        array = (LoraDesc * len(descs))(*descs)
+        self._lora = array  # the model points into it
+        self._model.lora = ctypes.cast(array, ctypes.POINTER(LoraDesc))
+        self._model.lora_rank = max_rank
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(self._model.lora)
 
     def __call__(
         self,
@@ -184,16 +217,27 @@ class DecodeStep:
         pages: np.ndarray,
         seq_lens: np.ndarray,
         threads: int = 0,
+        row_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
         [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
-        ``threads`` threads (default torch's count; the results do not depend on it)."""
+        ``threads`` threads (default torch's count; the results do not depend on it).
+        ``row_slots`` [B] int32: each row's adapter slot (-1: the base model; needs
+        ``set_lora``), or None for the base model alone."""
         B = tokens.shape[0]
+        lora = None
+        if row_slots is not None:
+            if not self.has_lora:
+                raise ValueError("adapter slots for a step without set_lora")
+            if row_slots.dtype != torch.int32 or row_slots.shape != (B,):
+                raise ValueError(f"row_slots must be [{B}] int32")
+            lora = row_slots.contiguous()
         logits = torch.empty(B, self.vocab)
         rc = self._fn(
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
-            int(seq_lens.max()), logits.data_ptr(), threads or torch.get_num_threads(),
+            int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
+            threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode step: out of memory for its scratch")

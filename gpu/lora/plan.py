@@ -10,6 +10,9 @@ is one segment of consecutive rows. On CUDA the Triton kernels take the segments
   weights at once: a handful of ops whatever the number of adapters. Decode steps.
 - ``segments``: two matmuls per adapter on its own rows: no padding, for steps whose
   segments differ a lot in length (a long prefill beside a few decodes).
+
+Where the native kernel builds (``kernels/lora.py``), the CPU takes neither: ``rows``
+gives each row's slot and one call per projection computes every row's delta.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class LoraPlan:
     ranks: dict[str, int]  # projection → the largest rank any slot of the step has for it
     gather: Gather | None = None  # the CPU's batched path (None: segment by segment)
     triton: bool = False
+    rows: torch.Tensor | None = None  # [T] int32 each row's slot: the CPU's native kernel
 
     @classmethod
     def build(
@@ -55,10 +59,12 @@ class LoraPlan:
         ranks: dict[str, list[int]] | None = None,
         *,
         triton: bool = False,
+        native: bool = False,
         device: torch.device | str = "cpu",
     ) -> LoraPlan:
         """Sequences of ``lens`` rows using ``slots`` (grouped: base first, then by slot),
-        ``ranks`` each projection's rank per slot (None: no projection is adapted)."""
+        ``ranks`` each projection's rank per slot (None: no projection is adapted);
+        ``native``: the CPU's kernel computes the deltas (no gather)."""
         indptr, adapters = [0], list[int]()
         for n, slot in zip(lens, slots, strict=True):
             if adapters and adapters[-1] == slot:
@@ -72,8 +78,9 @@ class LoraPlan:
         batch = LoraBatch(np.asarray(indptr, np.int32), np.asarray(adapters, np.int32))
         used = {slot for slot, _, _ in segments}
         top = {m: max((r[s] for s in used), default=0) for m, r in (ranks or {}).items()}
-        gather = None if triton else _gather(segments, device)
-        return cls(batch, segments, {m: r for m, r in top.items() if r}, gather, triton)
+        gather = None if triton or native else _gather(segments, device)
+        rows = torch.from_numpy(batch.token_adapters()) if native else None
+        return cls(batch, segments, {m: r for m, r in top.items() if r}, gather, triton, rows)
 
 
 def _gather(segments: list[tuple[int, int, int]], device: torch.device | str) -> Gather | None:

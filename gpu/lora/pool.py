@@ -9,6 +9,8 @@ Triton kernels' (``a`` [L, S, R, in], ``b`` [L, S, out, R]); elsewhere rank-majo
 (``a`` [L, R, S, in], ``b`` [L, R, S, out]): a layer's first r ranks of every slot
 are the batched matrices ``ops.lora_apply_gathered`` takes as they are, without a
 copy; past a slot's own rank they are zero (``load`` clears what an adapter left).
+Where the native kernel builds (``kernels/lora.py``), the CPU computes each projection
+in one call over the same tensors, through descriptors made once (``desc``).
 
 Loading a slot runs beside a forward pass (another thread) and never races it: the
 loader only hands out slots no running request uses, and the slot's id is cleared
@@ -26,6 +28,7 @@ import torch
 from actorlm.messages.errors import ErrorCode
 from actorlm.messages.step import ForwardBatch, SeqError, SeqStep
 
+from ..kernels.lora import LORA_MAX_RANK, LoraDesc, describe, lora_apply_native, native_lora
 from .batch import BASE
 from .ops import LoraWeights, lora_apply_gathered, lora_apply_segments, lora_apply_triton
 from .plan import LoraPlan
@@ -67,7 +70,25 @@ class LoraMemoryPool:
                 ]
         self.slot_ids: list[str | None] = [None] * S
         self.plan: LoraPlan | None = None  # this step's, while its forward pass runs
+        self._descs: dict[tuple[str, int], LoraDesc | None] = {}
         self._views: dict[tuple[str, int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.native = (
+            self.rank_major
+            and device.type == "cpu"
+            and max_rank <= LORA_MAX_RANK
+            and native_lora() is not None
+            and all(self.desc(m, 0) is not None for m in LORA_MODULES)
+        )
+
+    def desc(self, module: str, layer: int) -> LoraDesc | None:
+        """The native kernel's descriptor of ``module`` in ``layer`` (None: it cannot
+        read these weights), made once: it points into the pool's tensors."""
+        key = (module, layer)
+        if key not in self._descs:
+            self._descs[key] = describe(
+                self.a[module][layer], self.b[module][layer], self._rank_t[module]
+            )
+        return self._descs[key]
 
     def batched(
         self, module: str, layer: int, r: int, slots: slice
@@ -98,13 +119,22 @@ class LoraMemoryPool:
             return
         if plan.triton:
             lora_apply_triton(x, y, self.weights[module][layer], plan.batch)
-        elif xg is not None and plan.gather is not None:
+            return
+        if plan.rows is not None and self._native(x, y, plan.rows, module, layer):
+            return
+        if xg is not None and plan.gather is not None:
             g = plan.gather
             a, b = self.batched(module, layer, r, g.slots)
             lora_apply_gathered(xg, y[g.first :], a, b, g.valid)
         else:
             a, b = self.a[module][layer], self.b[module][layer]
             lora_apply_segments(x, y, a, b, plan.segments, self.ranks[module])
+
+    def _native(
+        self, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, module: str, layer: int
+    ) -> bool:
+        desc = self.desc(module, layer)
+        return desc is not None and lora_apply_native(x, y, desc, rows)
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +173,9 @@ class LoraMemoryPool:
         triton = self.device.type == "cuda" and triton_available()
         lens = [len(s.input_ids) for s in grouped]
         slots = [slot for slot, _ in keyed]
-        plan = LoraPlan.build(lens, slots, self.ranks, triton=triton, device=self.device)
+        plan = LoraPlan.build(
+            lens, slots, self.ranks, triton=triton, native=self.native, device=self.device
+        )
         return grouped, plan
 
     def load(

@@ -30,7 +30,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, info: ModelInfo, layers: list[nn.Module], norm: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(info.vocab_size, info.hidden_size)
+        # An empty weight (meta under build_model) skips nn.Embedding's random init: its
+        # normal_ on the meta device imports torch._dynamo, ~1.5 s of every worker start.
+        empty = torch.empty(info.vocab_size, info.hidden_size)
+        self.embed_tokens = nn.Embedding(info.vocab_size, info.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 

@@ -215,7 +215,9 @@ def test_overlap_on_and_off_give_the_same_tokens(tiny_llama: Path) -> None:
 
     outs, stats = [], []
     for disable in (True, False):
-        options = dict(num_pages=10, max_prefill_tokens=32, disable_overlap_schedule=disable)
+        options = dict(
+            num_pages=10, max_prefill_tokens=32, disable_overlap_schedule=disable, dtype="float32"
+        )
         with Engine(str(tiny_llama), **options) as eng:
             outs.append(asyncio.run(run(eng)))
             stats.append(eng.stats())

@@ -96,6 +96,7 @@ def test_info_endpoints(server: Server) -> None:
     for path in ("/load_lora_adapter", "/v1/unload_lora_adapter"):
         status, body, _ = call(server, "POST", path, json={"lora_name": "a", "lora_path": "/x"})
         assert status == 400 and "--enable-lora" in body["error"]["message"]
+        assert body["error"]["code"] == "lora_disabled"  # the call's code, as a plain string
 
 
 def test_metrics(server: Server) -> None:

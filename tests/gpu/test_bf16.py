@@ -66,8 +66,8 @@ def forced_logits(
     return torch.stack(rows)
 
 
-def check(path: Path, quantization: str, prompt: list[int]) -> None:
-    fp32 = hf(path, torch.float32)  # loaded once (a GGUF dequantizes slowly), cast for bf16
+def check(path: Path, quantization: str, prompt: list[int], fp32: Any = None) -> None:
+    fp32 = fp32 if fp32 is not None else hf(path, torch.float32)  # cast below for bf16
     tokens, want = hf_greedy_logits(copy.deepcopy(fp32).to(torch.bfloat16), prompt, STEPS)
     got = forced_logits(path, quantization, prompt, tokens)
     scale = want.abs().max().item()
@@ -100,8 +100,11 @@ def test_tiny_block_model_decodes_its_exact_blocks(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_default_model(default_gguf: Path, tokenizer_dir: Path) -> None:
+def test_default_model(
+    default_gguf: Path, default_gguf_transformers: Any, tokenizer_dir: Path
+) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    check(default_gguf, "gguf", tok("Write a short poem about the sea.\n")["input_ids"])
+    prompt = tok("Write a short poem about the sea.\n")["input_ids"]
+    check(default_gguf, "gguf", prompt, default_gguf_transformers)

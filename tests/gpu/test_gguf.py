@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from actorlm.gpu.gguf_file import GGUFFile
 from actorlm.gpu.loaders.gguf import gguf_tensor_name, unpermute_rope_rows
 from actorlm.gpu.model_info import kv_bytes_per_token, kv_pages_for_budget, load_model_info
@@ -55,9 +55,9 @@ def test_gguf_names_and_unpermute(default_gguf: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_default_gguf_greedy_64_matches_transformers(
-    default_gguf: Path, tokenizer_dir: Path
+    default_gguf: Path, default_gguf_transformers: Any, tokenizer_dir: Path
 ) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     prompt = tok.apply_chat_template(
@@ -68,10 +68,7 @@ def test_default_gguf_greedy_64_matches_transformers(
     prompt = list(
         prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
     )
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
-    )
-    want = hf_greedy(ref.eval(), prompt, 64)
+    want = hf_greedy(default_gguf_transformers, prompt, 64)
     # fp32 weights as loaded, rounded to fp16, and the CPU default: the file's blocks
     # for decode, fp16 for the prompt
     for quantization in ("none", "fp16", "gguf"):

@@ -12,7 +12,7 @@ import pytest
 from actorlm.messages.base import Message
 from actorlm.messages.control import ErrorReply, PeerDown, Ping, Ready, Shutdown, Stats
 from actorlm.messages.envelope import Codec, DecodeError, Envelope, Kind, MessageTooLarge
-from actorlm.messages.errors import ErrorCode
+from actorlm.messages.errors import CallErrorCode, ErrorCode
 from actorlm.messages.generate import (
     ChatMessage,
     FinishReason,
@@ -152,7 +152,7 @@ control = st.one_of(
     st.builds(Ping, payload=st.binary(max_size=64)),
     st.builds(Shutdown, reason=text),
     st.builds(Stats, role=text, values=json_dict),
-    st.builds(ErrorReply, code=text, message=text, status=small),
+    st.builds(ErrorReply, code=st.sampled_from(CallErrorCode), message=text, status=small),
 )
 messages = st.one_of(generate, forward, step_result, token_batch, text_batch, control)
 envelopes = st.builds(
@@ -237,6 +237,17 @@ def test_finish_reasons_travel_as_their_plain_strings() -> None:
     got = Codec().decode(frames_for(typed))[1]
     assert isinstance(got, TokenBatch)
     assert got.items[0].finish_reason is FinishReason.LENGTH
+
+
+def test_call_error_codes_travel_as_their_plain_strings() -> None:
+    typed = ErrorReply(code=CallErrorCode.STALE_INCARNATION, message="m", status=503)
+    plain = ErrorReply(code="stale_incarnation", message="m", status=503)  # type: ignore[arg-type]
+    assert frames_for(typed) == frames_for(plain)
+    assert msgpack.unpackb(frames_for(typed)[1])["code"] == "stale_incarnation"
+    got = Codec().decode(frames_for(plain))[1]
+    assert isinstance(got, ErrorReply) and got.code is CallErrorCode.STALE_INCARNATION
+    with pytest.raises(DecodeError, match="code"):  # a code outside the enum is no reply
+        Codec().decode(frames_for(msgspec.structs.replace(plain, code="made_up")))  # type: ignore[arg-type]
 
 
 dtypes = st.sampled_from(

@@ -5,10 +5,12 @@ the in-batch prefix wait see every adapter's entries; HiCache keys differ too.""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
-from actorlm.actors.cache.hicache import page_keys
+from actorlm.actors.cache.hicache import HiCacheFile, page_keys
 from actorlm.actors.cache.kv_cache import KVCacheManager
 from actorlm.actors.cache.radix import RadixTree
+from actorlm.actors.cache.step import HiCacheTier
 
 PS = 2
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
@@ -75,11 +77,8 @@ def test_random_traffic_over_adapters_keeps_the_books() -> None:
         kv.check_invariants()
 
 
-def test_hicache_keys_differ_per_adapter() -> None:
-    from actorlm.actors.cache.actor import CacheManagerActor
-
-    actor = CacheManagerActor.__new__(CacheManagerActor)
-    actor.model_id = "m"
-    assert actor._model_id("") == "m"
-    keys = {ns: page_keys(actor._model_id(ns), PROMPT, PS) for ns in ("", "A", "B")}
+def test_hicache_keys_differ_per_adapter(tmp_path: Path) -> None:
+    tier = HiCacheTier(HiCacheFile(tmp_path), "m")
+    assert tier.key_model("") == "m"
+    keys = {ns: page_keys(tier.key_model(ns), PROMPT, PS) for ns in ("", "A", "B")}
     assert len({tuple(k) for k in keys.values()}) == 3

@@ -6,9 +6,10 @@ import asyncio
 import time
 
 import pytest
-from actorlm.actors.runtime.calls import ActorDied, Calls, RequestTimeout
+from actorlm.actors.runtime.calls import ActorDied, ActorError, Calls, RequestTimeout
 from actorlm.messages.control import Ack, ErrorReply
 from actorlm.messages.envelope import Kind
+from actorlm.messages.errors import CallErrorCode
 
 
 def test_a_short_deadline_behind_a_long_one_still_fires_on_time() -> None:
@@ -53,7 +54,17 @@ def test_fail_reaches_only_the_calls_to_that_peer() -> None:
         with pytest.raises(ActorDied, match="a died"):
             await to_a
         kind, item = stream.get_nowait()
-        assert kind == Kind.ERROR and isinstance(item, ErrorReply) and item.code == "actor_died"
+        assert (
+            kind == Kind.ERROR
+            and isinstance(item, ErrorReply)
+            and item.code is CallErrorCode.ACTOR_DIED
+        )
         assert not to_b.done()
 
     asyncio.run(main())
+
+
+def test_an_actor_error_takes_only_a_code_the_wire_carries() -> None:
+    assert ActorError("x", code="not_found").code is CallErrorCode.NOT_FOUND  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="made_up"):
+        ActorError("x", code="made_up")  # type: ignore[arg-type]

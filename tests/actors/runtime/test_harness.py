@@ -16,6 +16,7 @@ from actorlm.extensions.interceptors import DROP, InterceptContext, Interceptor,
 from actorlm.messages.base import Message
 from actorlm.messages.control import Ack, Ping, Pong, Shutdown
 from actorlm.messages.envelope import Envelope, Kind
+from actorlm.messages.errors import CallErrorCode
 
 from tests.actors.runtime.echo import Ask, Count, EchoActor, Gather, Item, RelayActor
 
@@ -202,7 +203,7 @@ def test_interceptor_rewrites_and_rejects() -> None:
             assert await h.request(Ping(payload=b"hi"), sender="gw") == Pong(payload=b"HI@gw")
             with pytest.raises(RemoteError, match="payload 'bad' is not allowed") as info:
                 await h.request(Ping(payload=b"bad"), sender="gw")
-            assert info.value.code == "rejected" and info.value.status == 400
+            assert info.value.code is CallErrorCode.REJECTED and info.value.status == 400
             with pytest.raises(RemoteError, match="not allowed"):  # a plain send hears it too
                 await h.send(Ping(payload=b"bad"), sender="gw")
             h.clear()
@@ -222,7 +223,7 @@ def test_peer_down_fails_the_actors_pending_request() -> None:
             await h.peer_down("worker", reason="SIGKILL")
             with pytest.raises(RemoteError, match="SIGKILL") as info:
                 await pending
-            assert info.value.code == "actor_died"
+            assert info.value.code is CallErrorCode.ACTOR_DIED
             assert actor.events[-1] == "down:worker"
             with pytest.raises(RemoteError, match="down"):  # new calls fail at once
                 await h.request(Ask(to="worker", timeout=30), sender="gw")
@@ -261,7 +262,7 @@ def test_bad_frames_leave_the_actor_serving() -> None:
             )
             await h.settle()
             [error] = h.sent("gw")
-            assert getattr(error, "code", "") == "bad_message" and "n" in getattr(
+            assert getattr(error, "code", "") is CallErrorCode.BAD_MESSAGE and "n" in getattr(
                 error, "message", ""
             )
             assert await h.request(Ping(), sender="gw") == Pong()

@@ -13,6 +13,7 @@ from actorlm.actors.runtime.transport import MemoryTransport
 from actorlm.config import EngineConfig
 from actorlm.messages.control import Heartbeat, Ping, Pong, Shutdown
 from actorlm.messages.envelope import Codec, Envelope, Kind
+from actorlm.messages.errors import CallErrorCode
 
 from tests.actors.runtime.echo import EchoActor
 
@@ -111,7 +112,7 @@ def test_replies_from_a_dead_incarnation_are_dropped_and_logged(
         await peer.send(Ping(payload=b"y"), kind=Kind.REQUEST, to=runtime.incarnation + 1)
         await _settle()
         (reply_env, reply), *_ = peer.received
-        assert reply_env.kind == Kind.ERROR and reply.code == "stale_incarnation"  # type: ignore[attr-defined]
+        assert reply_env.kind == Kind.ERROR and reply.code is CallErrorCode.STALE_INCARNATION  # type: ignore[attr-defined]
         # Control messages from anyone but the supervisor are not obeyed.
         await peer.send(Shutdown(reason="forged"))
         await _settle()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -186,5 +187,24 @@ def test_bad_messages_get_an_error_and_the_actor_keeps_serving() -> None:
             )
             push.close(linger=1000)
             assert await client.request("echo", Ping(payload=b"ok")) == Pong(payload=b"ok")
+
+    asyncio.run(main())
+
+
+def test_a_stable_actor_restarts_at_once_and_a_crash_loop_backs_off() -> None:
+    async def main() -> None:
+        launcher = Launcher(config(restart_backoff_s=0.5, max_restarts=10), ECHO)
+        try:
+            member = launcher.members["echo"]
+            delays = []
+            for lived in (60.0, 1.0, 2.0, 0.0, 30.0, 0.5):
+                # READY `lived` seconds ago (0: it died before it was ready)
+                member.ready_at = time.monotonic() - lived if lived else 0.0
+                delays.append(launcher._restart_delay(member))
+            # killed after serving: at once; dying soon after each start: 0.5 s, doubling
+            assert delays == [0.0, 0.5, 1.0, 2.0, 0.0, 0.5]
+        finally:
+            launcher.transport.close()
+            shutil.rmtree(launcher.run_dir)
 
     asyncio.run(main())

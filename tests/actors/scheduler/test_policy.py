@@ -12,9 +12,9 @@ import random
 
 import msgspec
 from actorlm.actors.cache.kv_cache import KVCacheManager
+from actorlm.actors.cache.step import apply_step
 from actorlm.actors.scheduler.policy import PENDING, BatchPlanner
 from actorlm.config import SchedulerConfig
-from actorlm.messages.cache import Admitted, CacheStep, CacheStepResult
 from actorlm.messages.errors import ErrorCode
 from actorlm.messages.generate import TokenDelta, TokenizedRequest
 from actorlm.messages.sampling import SamplingParams
@@ -23,31 +23,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 PAGE = 4
-
-
-def apply(kv: KVCacheManager, step: CacheStep) -> CacheStepResult:
-    """What CacheManagerActor.on_step does (kept in sync by test_pipeline end to end)."""
-    for op in step.finishes:
-        if op.rid in kv:
-            kv.finish(op.rid, op.token_ids, op.cache)
-    for rid in step.releases:
-        kv.release(rid)
-    committed = {
-        op.rid: kv.cache_prefix(op.rid, op.token_ids) for op in step.commits if op.rid in kv
-    }
-    extended = {}
-    for ext in step.extends:
-        if ext.rid in kv:
-            pages = kv.extend(ext.rid, ext.num_pages)
-            if pages is not None:
-                extended[ext.rid] = pages
-    admitted = []
-    for op in step.admits:
-        got = kv.admit(op.rid, op.token_ids, op.extra_pages)
-        if got is None:
-            break
-        admitted.append(Admitted(op.rid, got.cached_len, got.page_ids))
-    return CacheStepResult(admitted=admitted, extended=extended, committed=committed)
 
 
 def model(batch: ForwardBatch, pool: dict[tuple[int, int], int]) -> StepResult:
@@ -97,7 +72,7 @@ def run(
         ops = planner.cache_ops()
         maybe_abort()
         if ops is not None:
-            planner.apply_cache(apply(kv, ops))
+            planner.apply_cache(apply_step(kv, ops).result)
         batch = planner.build_batch(step_id)
         maybe_abort()
         if batch.seqs:
@@ -163,7 +138,7 @@ def test_a_request_queued_too_long_fails_as_overloaded() -> None:
     )
     kv = KVCacheManager(64, PAGE)
     assert planner.add(request("a", [1, 2, 3], 50), "t") is None
-    planner.apply_cache(apply(kv, planner.cache_ops()))  # "a" runs; "b" can only wait
+    planner.apply_cache(apply_step(kv, planner.cache_ops()).result)  # "a" runs; "b" can only wait
     assert planner.add(request("b", [4, 5, 6], 5), "t") is None
     now[0] += 30
     assert planner.expire_waiting(60.0) == 0
@@ -177,21 +152,21 @@ def test_a_request_queued_too_long_fails_as_overloaded() -> None:
 def test_requeued_requests_come_back_with_their_outputs() -> None:
     planner, kv = make(64)
     assert planner.add(request("a", [1, 2, 3, 4, 5], 6), "t") is None
-    planner.apply_cache(apply(kv, planner.cache_ops()))
+    planner.apply_cache(apply_step(kv, planner.cache_ops()).result)
     history: dict[tuple[int, int], int] = {}
     for step_id in range(3):
         batch = planner.build_batch(step_id)
         planner.on_result(batch, model(batch, history))
         ops = planner.cache_ops()
         if ops is not None:
-            planner.apply_cache(apply(kv, ops))
+            planner.apply_cache(apply_step(kv, ops).result)
     before = list(planner.running["a"].ids)
     planner.pool_lost()
     planner.requeue_running()
     req = planner.waiting["a"]
     assert req.ids == before and req.computed == 0 and req.pages == [] and req.needs_init
     fresh = KVCacheManager(64, PAGE)  # the cache manager starts over with the next epoch
-    planner.apply_cache(apply(fresh, planner.cache_ops()))
+    planner.apply_cache(apply_step(fresh, planner.cache_ops()).result)
     batch = planner.build_batch(10)
     (seq,) = batch.seqs
     assert seq.start_pos == 0 and seq.input_ids == before and seq.init is not None
@@ -244,7 +219,7 @@ def run_pipelined(
         ops = planner.cache_ops()
         maybe_abort()
         if ops is not None:
-            planner.apply_cache(apply(kv, ops))
+            planner.apply_cache(apply_step(kv, ops).result)
         batch = planner.build_batch(step_id)
         if batch.seqs:
             flight.append((batch, _forward(batch, history, last)))
@@ -256,7 +231,7 @@ def run_pipelined(
     assert not planner.has_work() and planner.in_flight == 0, "the planner did not drain"
     ops = planner.cache_ops()
     if ops is not None:
-        planner.apply_cache(apply(kv, ops))
+        planner.apply_cache(apply_step(kv, ops).result)
     assert kv.num_private_pages == 0 and len(kv._requests) == 0  # every page came back
     return {rid: outputs.get(rid, []) for rid in ended if ended[rid] in ("length", "stop")}
 

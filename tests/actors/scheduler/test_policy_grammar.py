@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from actorlm.actors.cache.step import apply_step
 from actorlm.actors.scheduler.policy import BatchPlanner
 from actorlm.config import SchedulerConfig
 from actorlm.messages.errors import ErrorCode
@@ -12,7 +13,7 @@ from actorlm.messages.generate import TokenizedRequest
 from actorlm.messages.sampling import SamplingParams
 from actorlm.messages.step import SeqResult, StepResult
 
-from .test_policy import PAGE, apply, make, request, run
+from .test_policy import PAGE, make, request, run
 
 
 def constrained(rid: str, prompt: list[int], n: int) -> TokenizedRequest:
@@ -58,7 +59,7 @@ def test_eos_ends_a_constrained_request_even_with_ignore_eos() -> None:
     planner, kv = make(64)
     planner.add(constrained("c", [1, 2], 10), "t")
     planner.grammar_ready("c", "xgrammar")
-    planner.apply_cache(apply(kv, planner.cache_ops()))
+    planner.apply_cache(apply_step(kv, planner.cache_ops()).result)
     batch = planner.build_batch(1)
     (delta,) = planner.on_result(batch, StepResult(step_id=1, results=[SeqResult("c", 2)]))
     assert delta.finish_reason == "stop" and delta.grammar_backend == "xgrammar"

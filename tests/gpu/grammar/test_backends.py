@@ -5,6 +5,7 @@ rollback and copy, termination, structural tags, and clear errors for bad input.
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import jsonschema
@@ -85,6 +86,33 @@ def test_rollback_copy_and_termination(backend: BaseGrammarBackend) -> None:
     seven = tok.encode("7", add_special_tokens=False)  # type: ignore[attr-defined]
     assert fork.accept_token(seven[0])
     assert allowed(_mask(fork)) == [EOS]
+
+
+def test_batch_fill_and_accept_are_the_one_at_a_time_calls(backend: BaseGrammarBackend) -> None:
+    """A step's matchers go through ``fill_vocab_masks``/``accept_tokens`` together: the
+    same rows (into scattered rows of a bigger mask) and the same verdicts, a refused
+    token included, as each matcher's own calls."""
+    template = backend.dispatch("json_schema", json.dumps(SCHEMAS[0]))
+    rng = random.Random(0)
+    grammars = []
+    for k in range(6):  # six states: the start, keys, numbers, strings
+        g = template.copy()
+        for _ in range(k * 2):
+            g.accept_token(rng.choice([t for t in allowed(_mask(g)) if t != EOS]))
+        grammars.append(g)
+    alone = [g.copy() for g in grammars]
+    rows = [7, 0, 3, 5, 1, 6]
+    mask = torch.zeros(8, (VOCAB + 31) // 32, dtype=torch.int32)
+    type(template).fill_vocab_masks(grammars, mask, rows)
+    for g, row in zip(alone, rows, strict=True):
+        assert torch.equal(mask[row], _mask(g))
+    picks = [rng.choice(allowed(mask[row])) for row in rows]
+    picks[2] = next(t for t in range(VOCAB) if t not in set(allowed(mask[rows[2]])))  # refused
+    want = [g.accept_token(t) for g, t in zip(alone, picks, strict=True)]
+    assert type(template).accept_tokens(grammars, picks) == want
+    assert want.count(False) == 1
+    for k in (0, 1, 3, 4, 5):  # the accepted ones moved on alike
+        assert torch.equal(_mask(grammars[k]), _mask(alone[k]))
 
 
 def test_json_strings_take_no_raw_control_characters(backend: BaseGrammarBackend) -> None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 from actorlm.config import GrammarConfig
 from actorlm.extensions.points import GRAMMAR_BACKENDS
 from actorlm.gpu.grammar import BaseGrammarBackend, BaseGrammarObject, GrammarContext
@@ -148,3 +149,28 @@ def test_requests_get_their_own_matchers(xgr: GrammarManager, hf_tokenizer: obje
         xgr.start("c", sp, [5, 6, EOS], prompt_len=2)
     with pytest.raises(ValueError, match="invalid regex"):
         xgr.start("d", SamplingParams(regex="("), [5], prompt_len=1)
+
+
+def test_a_steps_masks_and_tokens_go_per_backend(
+    manager: Callable[..., GrammarManager], hf_tokenizer: object
+) -> None:
+    """One step's matchers of two backends (llguidance, and xgrammar for the tag it
+    cannot read) and a finished one: each row is that matcher's own mask, and the
+    verdicts come back per request, in order."""
+    m = manager(grammar_backend="llguidance")
+    enc = hf_tokenizer.encode  # type: ignore[attr-defined]
+    m.start("tag", SamplingParams(structural_tag=XGRAMMAR_TAG), [5], prompt_len=1)
+    m.start("num", SamplingParams(regex="[0-9]{2}"), [5], prompt_len=1)
+    m.start("done", SamplingParams(regex="7"), [5, *enc("7", add_special_tokens=False)], 1)
+    assert {m.backend_of(r) for r in ("tag", "num")} == {"xgrammar", "llguidance"}
+    rows = m.fill(["num", "tag", "done"])
+    assert allowed(rows[2]) == [EOS]
+    own = [m._grammars[r].copy() for r in ("num", "tag")]
+    for k, grammar in enumerate(own):
+        mask = rows[k].clone().unsqueeze(0)
+        grammar.fill_vocab_mask(mask, 0)
+        assert torch.equal(mask[0], rows[k])
+    hi = enc("hi", add_special_tokens=False)[0]
+    three = enc("3", add_special_tokens=False)[0]
+    assert m.accept_all([("tag", hi), ("free", 9), ("num", hi), ("done", EOS)]) == ["num"]
+    assert "num" not in m and "tag" in m and m.accept_all([("num", three), ("done", 9)]) == ["done"]

@@ -14,7 +14,17 @@ import torch
 import torch.nn.functional as F
 from actorlm.gpu.gguf_file import GGUFFile
 from actorlm.gpu.kernels import native
-from actorlm.gpu.kernels.qgemm import QK, gemm, lin_blocks, lin_dense, linear, native_qgemm, pack
+from actorlm.gpu.kernels.qgemm import (
+    QK,
+    PackedWeight,
+    dequantize_blocks,
+    gemm,
+    lin_blocks,
+    lin_dense,
+    linear,
+    native_qgemm,
+    pack,
+)
 from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, GGUFMethod, fbgemm_available
 from torch import nn
 
@@ -64,6 +74,42 @@ def test_weights_of_other_formats_do_not_pack() -> None:
     assert pack(inf) is None
 
 
+def _same(a: PackedWeight | None, b: PackedWeight | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    bits = [(x.view(torch.int16) if x.dtype == torch.float16 else x) for x in (a.d, b.d)]
+    ms = [x if x is None else x.view(torch.int16) for x in (a.m, b.m)]
+    same_m = ms[0] is ms[1] or (ms[0] is not None and ms[1] is not None and torch.equal(*ms))
+    return (
+        (a.kind, a.shape, a.q.dtype) == (b.kind, b.shape, b.q.dtype)
+        and same_m
+        and (torch.equal(a.q, b.q) and torch.equal(*bits))
+    )
+
+
+def test_native_pack_is_the_numpy_pack_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    near = blocks((40, 64), "q4_1")
+    near[30, 5] += 1e-3  # one value off its block's grid, far from the first row
+    nan = blocks((20, 96), "q8_0")
+    nan[19, 95] = float("nan")
+    mixed = torch.cat((blocks((1, 64), "q4_1"), blocks((8, 64), "q8_0")))  # row 0 decides
+    cases = [blocks(shape, kind, seed) for kind in ("q4_1", "q8_0")
+             for seed, shape in enumerate([(70, 96), (16, 32), (1, 64), (33, 128)])]  # fmt: skip
+    cases += [
+        near,
+        nan,
+        mixed,
+        torch.zeros(20, 64),
+        torch.randn(8, 64),
+        torch.randn(8, 64).half().float(),
+    ]
+    for w in cases:
+        assert _same(pack(w), pack(w, native_pack=False)), w.shape
+    assert all(pack(w) is not None for w in cases[:8])
+    assert all(pack(w) is None for w in (near, nan, mixed))
+
+
 def test_pack_finds_the_default_gguf_blocks(default_gguf: Path) -> None:
     f = GGUFFile(default_gguf)
     name = "blk.3.ffn_down.weight"  # Q4_1: per block fp16 d, fp16 m, 16 bytes of nibbles
@@ -78,6 +124,21 @@ def test_pack_finds_the_default_gguf_blocks(default_gguf: Path) -> None:
     assert np.array_equal(codes[:, :16], qs & 15) and np.array_equal(codes[:, 16:], qs >> 4)
     embd = pack(torch.from_numpy(f.dequantize("token_embd.weight")[:512].copy()))
     assert embd is not None and embd.kind == "q8_0"
+
+
+def test_native_dequantize_is_gguf_quants_bit_for_bit(default_gguf: Path) -> None:
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    f = GGUFFile(default_gguf)
+    for name in ("blk.0.attn_q.weight", "blk.5.ffn_up.weight", "token_embd.weight"):
+        qtype = GGMLQuantizationType(f.tensors[name].qtype)
+        assert qtype.name in ("Q4_1", "Q8_0")
+        ours = dequantize_blocks(f.raw(name), qtype.name.lower())
+        assert ours is not None
+        ref = np.asarray(dequantize(f.raw(name), qtype), dtype=np.float32).ravel()
+        assert np.array_equal(ours.view(np.int32), ref.view(np.int32)), name
+        assert np.array_equal(f.dequantize(name).ravel(), ref)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

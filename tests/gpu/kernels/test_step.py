@@ -57,17 +57,26 @@ def decode_steps(
 
 
 PROMPTS = [list(range(100, 141)), [5, 17, 923, 4, 4, 88, 1200, 31, 7], [42], list(range(7, 40))]
+# the default batch bound: ragged lengths, several rows tiles of the C kernels (8 rows each)
+WIDE = [[(7 * i + 3 * j) % 1000 + 1 for j in range(1 + (i * 13) % 70)] for i in range(32)]
 
 
-def assert_fused_matches_model(path: Path, level: str = "", **opts: object) -> ModelRunner:
+def assert_fused_matches_model(
+    path: Path,
+    level: str = "",
+    prompts: list[list[int]] = PROMPTS,
+    steps: int = 6,
+    **opts: object,
+) -> ModelRunner:
     fused = make_runner(path, **opts)
     if level:
         fused.fused, why = FusedDecoder.build(fused.model, fused.backend, 8, level)
         assert fused.fused is not None, why
     plain = make_runner(path, fused_decode_max_batch=0, **opts)
     assert fused.fused is not None and plain.fused is None
-    got, got_tokens = decode_steps(fused, PROMPTS, 6)
-    want, want_tokens = decode_steps(plain, PROMPTS, 6)
+    assert fused.fused.accepts([SeqSpec([1], len(p), [0]) for p in prompts])
+    got, got_tokens = decode_steps(fused, prompts, steps)
+    want, want_tokens = decode_steps(plain, prompts, steps)
     assert got_tokens == want_tokens
     for g, w in zip(got, want, strict=True):
         assert (g - w).abs().max().item() < TOL
@@ -96,6 +105,10 @@ def qwen2_bias(
     for f in src.glob("tokenizer*"):
         (out / f.name).write_bytes(f.read_bytes())
     return out
+
+
+def test_a_batch_of_32(tiny_llama: Path) -> None:
+    assert_fused_matches_model(tiny_llama, prompts=WIDE, steps=3)
 
 
 def test_mha(tiny_model_factory: Callable[..., Path]) -> None:

@@ -61,8 +61,9 @@ def peft_model(base: Path, adapter_dir: Path | None) -> Any:
     )
 
 
-def mixed_prefill(runner: ModelRunner, names: list[str]) -> torch.Tensor:
-    """One batched prefill of PROMPTS[name] for each name (its adapter; "" the base)."""
+def mixed_prefill(runner: ModelRunner, names: list[str], native: bool = False) -> torch.Tensor:
+    """One batched prefill of PROMPTS[name] for each name (its adapter; "" the base);
+    ``native``: through the CPU's LoRA kernel, else torch's matmuls."""
     assert runner.lora is not None
     pages = Pages()
     specs = [
@@ -71,7 +72,9 @@ def mixed_prefill(runner: ModelRunner, names: list[str]) -> torch.Tensor:
     slots = [BASE if not n else runner.lora.slot_of(n) for n in names]
     order = sorted(range(len(names)), key=lambda i: slots[i])  # rows grouped by slot
     lens = [len(specs[i].input_ids) for i in order]
-    runner.lora.plan = LoraPlan.build(lens, [slots[i] for i in order], runner.lora.ranks)
+    runner.lora.plan = LoraPlan.build(
+        lens, [slots[i] for i in order], runner.lora.ranks, native=native
+    )
     try:
         logits = runner.run([specs[i] for i in order])
     finally:
@@ -84,7 +87,7 @@ def runner(tiny_llama: Path, lora_adapters: dict[str, Path]) -> ModelRunner:
     return lora_runner(tiny_llama, lora_adapters, quantization="none")
 
 
-@pytest.mark.parametrize("path", ["gather", "segments"])
+@pytest.mark.parametrize("path", ["gather", "segments", "native"])
 def test_a_mixed_prefill_matches_peft_for_every_adapter_and_the_base(
     runner: ModelRunner,
     tiny_llama: Path,
@@ -97,10 +100,14 @@ def test_a_mixed_prefill_matches_peft_for_every_adapter_and_the_base(
     # the CPU path is chosen by the padding gathering would compute: force each in turn
     monkeypatch.setattr(plan, "MAX_PADDING", 1e9 if path == "gather" else -1.0)
     assert runner.lora is not None
-    chosen = LoraPlan.build([3, 40], [0, 1], runner.lora.ranks)
+    native = path == "native"
+    if native and not runner.lora.native:
+        pytest.skip("the native kernel needs a C compiler")
+    chosen = LoraPlan.build([3, 40], [0, 1], runner.lora.ranks, native=native)
     assert (chosen.gather is not None) == (path == "gather")
+    assert (chosen.rows is not None) == native
     names = ["sql", "", "chat", "all", "sql", "sparse"]
-    logits = mixed_prefill(runner, names)
+    logits = mixed_prefill(runner, names, native)
     for i, name in enumerate(names):
         ref = hf_last_logits(peft_model(tiny_llama, lora_adapters.get(name)), PROMPTS[name])
         assert (logits[i] - ref).abs().max().item() < 1e-4, name

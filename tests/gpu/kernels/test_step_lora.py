@@ -1,0 +1,95 @@
+"""The fused decode step with LoRA adapters (cpu_step.c over the worker's slots) against
+the model's forward with the same adapters (the torch path, itself checked against
+``peft`` in tests/gpu/lora): decode steps mixing base rows and adapters of different
+ranks and targets, fp32 and bf16; which adapter steps it takes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from actorlm.gpu.forward_meta import SeqSpec
+from actorlm.gpu.kernels.lora import native_lora
+from actorlm.gpu.kernels.step import native_step
+from actorlm.gpu.lora.batch import BASE
+from actorlm.gpu.lora.plan import LoraPlan
+from actorlm.gpu.runner import ModelRunner
+
+from ..helpers import Pages, make_runner
+from ..lora.test_lora_layers import PROMPTS, lora_runner
+
+pytestmark = pytest.mark.skipif(
+    native_step() is None or native_lora() is None, reason="needs a C compiler"
+)
+
+NAMES = ["chat", "", "sql", "sparse", "all", "", "chat"]  # "": the base model
+
+
+def decode(runner: ModelRunner, steps: int, *, adapters: bool = True) -> list[torch.Tensor]:
+    """Prefill every prompt of NAMES (rows grouped by slot, as the worker groups them),
+    then ``steps`` greedy decode steps (without ``adapters``: of the base model alone);
+    each decode step's logits, in NAMES order."""
+    pool = runner.lora
+    assert pool is not None
+    slots = [BASE if not n else pool.slot_of(n) for n in NAMES]
+    order = sorted(range(len(NAMES)), key=lambda i: slots[i])
+    grouped = [slots[i] for i in order]
+    pages = Pages()
+    prompts = [PROMPTS[NAMES[i]] for i in order]
+    pos = [len(p) for p in prompts]
+    seqs = [SeqSpec(p, 0, pages.table(f"s{j}", len(p))) for j, p in enumerate(prompts)]
+    inverse = torch.tensor(sorted(range(len(order)), key=lambda j: order[j]))
+    seen = []
+    for step in range(steps + 1):
+        lens = [len(s.input_ids) for s in seqs]
+        use = adapters or not step
+        pool.plan = LoraPlan.build(lens, grouped, pool.ranks, native=True) if use else None
+        try:
+            logits = runner.run(seqs)
+        finally:
+            pool.plan = None
+        if step:
+            seen.append(logits[inverse])
+        nxt = logits.argmax(1).tolist()
+        seqs = [SeqSpec([t], pos[j], pages.table(f"s{j}", pos[j] + 1)) for j, t in enumerate(nxt)]
+        pos = [p + 1 for p in pos]
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_adapter_steps_match_the_models_forward(
+    tiny_llama: Path, lora_adapters: dict[str, Path], dtype: str
+) -> None:
+    fused = lora_runner(tiny_llama, lora_adapters, quantization="none", dtype=dtype)
+    plain = lora_runner(
+        tiny_llama, lora_adapters, quantization="none", dtype=dtype, fused_decode_max_batch=0
+    )
+    assert fused.fused is not None and fused.fused.step.has_lora and plain.fused is None
+    # bf16: the model rounds every activation to bf16, the fused step keeps fp32, so
+    # their greedy paths part after a few steps, base rows alike (~0.4 on logits of ~5
+    # here, with or without adapters): one step from the same inputs, and that bound.
+    # The deltas' bf16 arithmetic is checked tightly in test_lora.py.
+    steps, tol = (4, 1e-4) if dtype == "float32" else (1, 0.6)
+    got, want = decode(fused, steps), decode(plain, steps)
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max().item() < tol
+    # the step does add the deltas: each adapted row differs from the base model's by far
+    # more than that, on the same input; base rows are the same bits
+    base = decode(fused, 1, adapters=False)[0]
+    diff = (got[0] - base).abs().amax(1)
+    assert all((d > 2) == bool(n) for d, n in zip(diff.tolist(), NAMES, strict=True))
+
+
+def test_adapter_steps_it_takes(tiny_llama: Path, lora_adapters: dict[str, Path]) -> None:
+    runner = lora_runner(tiny_llama, lora_adapters, quantization="none")
+    fused = runner.fused
+    assert fused is not None and runner.lora is not None
+    one = [SeqSpec([5], 3, [0]), SeqSpec([6], 3, [1])]
+    ranks = runner.lora.ranks
+    assert fused.accepts(one, LoraPlan.build([1, 1], [BASE, 0], ranks, native=True))
+    # a plan for the torch path (no rows) is the model's to run
+    assert not fused.accepts(one, LoraPlan.build([1, 1], [BASE, 0], ranks))
+    bare = make_runner(tiny_llama, quantization="none")  # a step without set_lora
+    assert bare.fused is not None and not bare.fused.step.has_lora
+    assert not bare.fused.accepts(one, LoraPlan.build([1, 1], [BASE, 0], ranks, native=True))

@@ -1,0 +1,23 @@
+"""The KV pool's tensor: zeros of its declared shape and dtype (on the CPU in anonymous
+memory, faulted in as used), and what is written reads back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from actorlm.gpu.kv_pool import KVPool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fresh_pool_is_zeros_and_keeps_what_is_written(dtype: torch.dtype) -> None:
+    pool = KVPool(3, 7, 16, 2, 64, dtype)
+    assert pool.kv.shape == (3, 2, 2, 7, 16, 64) and pool.kv.dtype == dtype
+    assert pool.kv.is_contiguous() and not pool.kv.any()
+    assert pool.nbytes == 3 * 2 * 2 * 7 * 16 * 64 * pool.kv.element_size()
+    k, v = torch.randn(5, 2, 64).to(dtype), torch.randn(5, 2, 64).to(dtype)
+    slots = torch.tensor([0, 17, 33, 50, 111])
+    pool.write(1, slots, k, v)
+    assert torch.equal(pool.k_slots(1)[:, slots].transpose(0, 1), k)
+    assert torch.equal(pool.v_slots(1)[:, slots].transpose(0, 1), v)
+    assert not pool.kv[0].any() and not pool.kv[2].any()  # other layers untouched
+    assert KVPool(1, 0, 16, 1, 8, dtype).kv.numel() == 0  # an empty pool is a tensor too
