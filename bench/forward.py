@@ -85,6 +85,12 @@ def parse_args() -> argparse.Namespace:
         help="actorlm attention backend (default: the platform's)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument(
+        "--transformers-dtypes",
+        default="float32",
+        help="transformers columns, comma-separated dtypes (bfloat16: like with like beside "
+        "actorlm's bf16, which dtype auto picks on CPUs with native bf16)",
+    )
     p.add_argument("--skip-transformers", action="store_true", help="only actorlm")
     p.add_argument("--out", default="bench/results/forward.json", help="raw results (JSON)")
     return p.parse_args()
@@ -158,12 +164,12 @@ class Ours:
 
 
 class Transformers:
-    """``transformers``' own fp32 model on the same weights (a GGUF is dequantized by it)."""
+    """``transformers``' own model on the same weights (a GGUF is dequantized by it)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
 
-        kw: dict[str, Any] = {"dtype": torch.float32}
+        kw: dict[str, Any] = {"dtype": dtype}
         if path.suffix == ".gguf":
             kw["gguf_file"] = path.name
         src = path.parent if path.suffix == ".gguf" else path
@@ -276,7 +282,11 @@ def main() -> None:
     results["gemm_gflops"] = {k: v / 1e9 for k, v in lim.measured.items()}
     results["limits_tok_s"] = limits
     if not args.skip_transformers:
-        engines["transformers fp32"] = Transformers(path)
+        for name in args.transformers_dtypes.split(","):
+            dtype = getattr(torch, name)
+            engines[f"transformers {'fp32' if dtype == torch.float32 else name}"] = Transformers(
+                path, dtype
+            )
     results["tok_s"] = measure(engines, args, first.runner.info.vocab_size)
     print_table(results, limits)
     out = Path(args.out)

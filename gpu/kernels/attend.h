@@ -4,7 +4,9 @@
  * context, then the weighted sum of values page by page with the accumulators in
  * registers), for the two KV dtypes. Used by cpu_step.c (the fused decode step,
  * either dtype) and by its actorlm_paged_decode_kv (the cpu attention backend's
- * decodes over a bf16 pool).
+ * decodes over a bf16 pool). The backend's decodes may start inside the first page
+ * (a sliding window: the keys before `start` are masked) and soft-cap the scaled
+ * scores (Gemma 2: cap * tanh(s / cap)); the fused step passes neither.
  */
 #ifndef ACTORLM_ATTEND_H
 #define ACTORLM_ATTEND_H
@@ -88,13 +90,28 @@ static inline __attribute__((always_inline)) void att_weigh(const int bf16, floa
     for (int j = 0; j < W; j++) *(v8f *)(acc + 8 * j) = a[j];
 }
 
+/* s[0..n) = cap * tanh(s / cap), tanh from exp8 of -2|x| (its domain; no overflow) */
+static void att_softcap(float *s, int64_t n, float cap) {
+    const float inv = 1.f / cap;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f x = *(v8f *)(s + i) * inv;
+        const v8i sign = (v8i)x & INT32_MIN;
+        const v8f e = exp8((v8f)((v8i)x | INT32_MIN) * 2.f); /* exp(-2|x|) */
+        const v8f t = (1.f - e) / (1.f + e);                  /* tanh(|x|) */
+        *(v8f *)(s + i) = (v8f)((v8i)t | sign) * cap;
+    }
+    for (; i < n; i++) s[i] = tanhf(s[i] * inv) * cap;
+}
+
 /* q [G, D] against `len` tokens whose pages are `table`; k and v point at this head's
-   [num_pages, page_size, D]. scores [G, len] and acc [G, D] are the caller's scratch;
+   [num_pages, page_size, D]. Keys before `start` (< page_size) are masked out; `cap` > 0
+   soft-caps the scores. scores [G, len] and acc [G, D] are the caller's scratch;
    out [G, D]. */
 static inline __attribute__((always_inline)) void attend_kv(
     const int bf16, const float *q, const void *k, const void *v, const int64_t *table,
-    int64_t len, int64_t G, int64_t D, int64_t page_size, float scale, float *scores,
-    float *acc, float *out) {
+    int64_t len, int64_t G, int64_t D, int64_t page_size, float scale, int64_t start,
+    float cap, float *scores, float *acc, float *out) {
     const int64_t page_elems = page_size * D;
     const int vec = D % 8 == 0;
     const int64_t esize = bf16 ? 2 : 4;
@@ -117,8 +134,10 @@ static inline __attribute__((always_inline)) void attend_kv(
     float inv_sum[G];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * len, m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        inv_sum[g] = 1.f / att_exp_sum(sg, len, m);
+        if (cap > 0.f) att_softcap(sg + start, len - start, cap);
+        for (int64_t t = start; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        inv_sum[g] = 1.f / att_exp_sum(sg + start, len - start, m);
+        memset(sg, 0, sizeof(float) * (size_t)start); /* masked keys weigh nothing */
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * D));
     for (int64_t t0 = 0; t0 < len; t0 += page_size) {

@@ -146,10 +146,10 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
     store_row(kbase + slot * D * esize, (int)M->kv_bf16, k, D);
     store_row(vbase + slot * D * esize, (int)M->kv_bf16, v, D);
     if (M->kv_bf16)
-        attend_kv(1, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, scores,
+        attend_kv(1, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
                   acc, out);
     else
-        attend_kv(0, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, scores,
+        attend_kv(0, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
                   acc, out);
 }
 
@@ -290,12 +290,14 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
 }
 
 /* The cpu attention backend's decodes over a bf16 pool (cpu_decode.c reads fp32):
-   the arguments of actorlm_paged_decode, q and out fp32. */
+   the arguments of actorlm_paged_decode (starts NULL: none), q and out fp32, and the
+   soft cap of the scores (0: none). */
 int actorlm_paged_decode_kv(const float *q, int64_t q_stride_b, const void *k, const void *v,
                             int64_t kv_bf16, int64_t num_pages, const int64_t *pages,
-                            int64_t table_stride, const int64_t *seq_lens, float *out, int64_t B,
-                            int64_t Hkv, int64_t G, int64_t D, int64_t page_size, int64_t max_len,
-                            float scale, int threads) {
+                            int64_t table_stride, const int64_t *seq_lens, const int64_t *starts,
+                            float *out, int64_t B, int64_t Hkv, int64_t G, int64_t D,
+                            int64_t page_size, int64_t max_len, float scale, float softcap,
+                            int threads) {
     int failed = 0;
     const int64_t head_elems = num_pages * page_size * D, esize = kv_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
@@ -313,12 +315,13 @@ int actorlm_paged_decode_kv(const float *q, int64_t q_stride_b, const void *k, c
                 const char *vh = (const char *)v + h * head_elems * esize;
                 const float *qb = q + b * q_stride_b + h * G * D;
                 float *ob = out + (b * Hkv + h) * G * D, *acc = scores + max_len * G;
+                const int64_t first = starts ? starts[b] : 0;
                 if (kv_bf16)
                     attend_kv(1, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
-                              scale, scores, acc, ob);
+                              scale, first, softcap, scores, acc, ob);
                 else
                     attend_kv(0, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
-                              scale, scores, acc, ob);
+                              scale, first, softcap, scores, acc, ob);
             }
         }
         free(scores);

@@ -164,6 +164,28 @@ def test_softcapped_decodes_take_the_torch_path_and_cap() -> None:
     assert (want - ref).abs().max().item() < 1e-5 and (got - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize(("window", "cap"), [(5, 0.0), (20, 0.0), (0, 5.0), (8, 5.0), (70, 50.0)])
+def test_bf16_kernel_decodes_windowed_and_softcapped(window: int, cap: float) -> None:
+    """Gemma 2's layers (a window, soft-capped scores) on a bf16 pool take the kernel:
+    fp32 arithmetic on the bf16 values against the key-by-key reference on the same
+    values, the output rounded once to bf16."""
+    torch.manual_seed(5)
+    lens = [1, 7, 16, 17, 100, 144, 33]
+    pool, meta, q, k, v = decode_batch(lens, 6, 2, 64, torch.bfloat16, scale_q=20.0)
+    meta.layer_windows, meta.logit_softcap = (0, window), cap
+    ours = CpuBackend(pool, 6, 64)
+    ours.init_forward_metadata(meta)
+    got = ours.forward(q, k, v, 1, meta)
+    assert meta.attn[window].decode.kernel_args  # not the torch path
+    pool32 = KVPool(2, pool.num_pages, pool.page_size, 2, 64, torch.float32)
+    pool32.kv.copy_(pool.kv)
+    for b, n in enumerate(lens):  # this step's k and v, as forward stored them
+        slot = meta.page_tables[b][(n - 1) // 16] * 16 + (n - 1) % 16
+        pool32.k_slots(1)[:, slot], pool32.v_slots(1)[:, slot] = k[b].float(), v[b].float()
+    ref = reference_decode(pool32, meta, q.float(), 1, window, cap)
+    torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=1e-4)
+
+
 def prefill_batch(
     starts: list[int], news: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> tuple[KVPool, ForwardMeta, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -78,3 +78,28 @@ def test_qwen3_with_yarn_long_context_scaling(family_model_factory: Callable[...
     assert runner.info.rope_scaling is not None and runner.info.rope_scaling["rope_type"] == "yarn"
     assert runner.model.ropes[0].attention_factor == pytest.approx(0.1 * math.log(4) + 1)
     assert_prefill_logits_match(runner, hf_model(path))
+
+
+def test_stacked_experts_equal_the_reference_loop(
+    family_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default experts kernel (dense weights stacked: one token's experts directly,
+    padded bmm, or per-expert GEMMs when routing is uneven) against ``grouped_experts``,
+    in fp32, to rounding (the k results are summed in one weighted pass)."""
+    from actorlm.gpu.models import moe as moe_module
+
+    layer = make_runner(family_model_factory("mixtral"), num_pages=64).model.model.layers[0].mlp
+    torch.manual_seed(0)
+    for tokens in (1, 5, 40):
+        x = torch.randn(tokens, 64)
+        weights, ids = layer.route(x)
+        want = moe_module.grouped_experts(layer, x, weights, ids)
+        padded = moe_module.stacked_experts(layer, x, weights, ids)
+        with monkeypatch.context() as m:  # no padding allowed: the per-expert path
+            m.setattr(moe_module, "_MAX_PADDING", 0.0)
+            m.setattr(moe_module, "_SMALL_PADDED_MACS", 0)
+            looped = moe_module.stacked_experts(layer, x, weights, ids)
+        torch.testing.assert_close(padded, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(looped, want, rtol=1e-5, atol=1e-5)
+    gate_up, _ = layer.dense_experts()
+    assert layer.experts[3].gate_up_proj.weight.data_ptr() == gate_up[3].data_ptr()  # a view
