@@ -173,7 +173,8 @@ class SparseMoE(nn.Module):
         return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
     def _expert_weights(self) -> list[torch.Tensor]:
-        return [w for e in self.experts for w in (e.gate_up_proj.weight, e.down_proj.weight)]
+        experts: list[GatedMLP] = list(self.experts)  # type: ignore[arg-type]
+        return [w for e in experts for w in (e.gate_up_proj.weight, e.down_proj.weight)]
 
     def dense_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts' weights stacked (gate_up [E, 2I, H], down [E, H, I]), or None when
