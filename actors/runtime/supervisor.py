@@ -13,9 +13,9 @@ by ``deploy.restart_policy``, it starts the role again, at most ``max_restarts``
 times in ``restart_window_s``, and says ``PeerUp`` when the new incarnation is ready.
 A role that served for ``STABLE_LIFE_S`` before it died restarts at once (a kill, an
 OOM: every second of the wait is a second of 503s); one that keeps dying soon after
-its start backs off (0.5 s, doubling up to 10 s) so a crash loop does not spin. Stopping, the gateway (if it is
-a member) goes first, so it can drain the requests in flight while the actors
-still serve them.
+its start backs off (0.5 s, doubling up to 10 s) so a crash loop does not spin.
+Stopping, the gateway (if it is a member) goes first, so it can drain the requests in
+flight while the actors still serve them.
 """
 
 from __future__ import annotations
