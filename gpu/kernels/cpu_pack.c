@@ -96,54 +96,41 @@ static int block_q8_0(const float *b, int8_t *q, int32_t *d16) {
     return *d16 >= 0;
 }
 
-/* w [N, K] fp32 row-major (K a multiple of 32) into the zeroed outputs q [G, nb, 16,
- * GROUP] (byte i: code 2i low nibble, 2i + 1 high), d and m [G, nb, GROUP] fp16 bits.
- * Returns 1 when every block is exact Q4_1, else 0 (the outputs are then garbage). */
-int actorlm_find_q4_1(const float *w, int64_t N, int64_t K, uint8_t *q, uint16_t *d,
-                      uint16_t *m, int threads) {
-    const int64_t nb = K / QK;
-    int ok = 1;
-#pragma omp parallel for num_threads(threads) reduction(&& : ok) schedule(dynamic, 16)
-    for (int64_t n = 0; n < N; n++) {
-        if (!ok) continue;
-        const int64_t g = n / GROUP, r = n % GROUP;
-        for (int64_t b = 0; b < nb && ok; b++) {
-            uint8_t codes[QK];
-            int32_t d16, m16;
-            if (!block_q4_1(w + n * K + b * QK, codes, &d16, &m16)) {
-                ok = 0;
-                break;
-            }
-            const int64_t at = (g * nb + b) * GROUP + r;
-            d[at] = (uint16_t)d16, m[at] = (uint16_t)m16;
-            uint8_t *out = q + (g * nb + b) * (QK / 2) * GROUP + r;
-            for (int i = 0; i < QK / 2; i++)
-                out[i * GROUP] = (uint8_t)(codes[2 * i] | codes[2 * i + 1] << 4);
-        }
+/* One block's codes into its place in q: Q4_1 [G, nb, 16, GROUP] (byte i: code 2i low
+ * nibble, 2i + 1 high), Q8_0 [G, nb, 32, GROUP] int8; at = the block's (g, b) index. */
+static int find_block(int q4, const float *src, void *q, uint16_t *d, uint16_t *m,
+                      int64_t at, int64_t r) {
+    uint8_t codes[QK];
+    int32_t d16, m16 = 0;
+    if (q4 ? !block_q4_1(src, codes, &d16, &m16) : !block_q8_0(src, (int8_t *)codes, &d16))
+        return 0;
+    d[at * GROUP + r] = (uint16_t)d16;
+    if (q4) {
+        m[at * GROUP + r] = (uint16_t)m16;
+        uint8_t *out = (uint8_t *)q + at * (QK / 2) * GROUP + r;
+        for (int i = 0; i < QK / 2; i++)
+            out[i * GROUP] = (uint8_t)(codes[2 * i] | codes[2 * i + 1] << 4);
+    } else {
+        uint8_t *out = (uint8_t *)q + at * QK * GROUP + r;
+        for (int i = 0; i < QK; i++) out[i * GROUP] = codes[i];
     }
-    return ok;
+    return 1;
 }
 
-/* As above for Q8_0: q [G, nb, 32, GROUP] int8, d [G, nb, GROUP] fp16 bits. */
-int actorlm_find_q8_0(const float *w, int64_t N, int64_t K, int8_t *q, uint16_t *d,
-                      int threads) {
+/* w [N, K] fp32 row-major (K a multiple of 32) into the zeroed outputs q (layout above),
+ * d and m [G, nb, GROUP] fp16 bits (m: Q4_1 only; NULL for Q8_0). q4: Q4_1, else Q8_0.
+ * Returns 1 when every block is exact in that format, else 0 (the outputs are then
+ * garbage). */
+int actorlm_find_blocks(int q4, const float *w, int64_t N, int64_t K, void *q, uint16_t *d,
+                        uint16_t *m, int threads) {
     const int64_t nb = K / QK;
     int ok = 1;
 #pragma omp parallel for num_threads(threads) reduction(&& : ok) schedule(dynamic, 16)
     for (int64_t n = 0; n < N; n++) {
         if (!ok) continue;
         const int64_t g = n / GROUP, r = n % GROUP;
-        for (int64_t b = 0; b < nb && ok; b++) {
-            int8_t codes[QK];
-            int32_t d16;
-            if (!block_q8_0(w + n * K + b * QK, codes, &d16)) {
-                ok = 0;
-                break;
-            }
-            d[(g * nb + b) * GROUP + r] = (uint16_t)d16;
-            int8_t *out = q + (g * nb + b) * QK * GROUP + r;
-            for (int i = 0; i < QK; i++) out[i * GROUP] = codes[i];
-        }
+        for (int64_t b = 0; b < nb && ok; b++)
+            ok = find_block(q4, w + n * K + b * QK, q, d, m, g * nb + b, r);
     }
     return ok;
 }

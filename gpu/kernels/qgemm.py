@@ -178,9 +178,8 @@ def pack(weight: torch.Tensor, native_pack: bool = True) -> PackedWeight | None:
 def _pack_lib() -> Any | None:
     lib = native.load(Path(__file__).with_name("cpu_pack.c"))
     if lib is not None:
-        lib.actorlm_find_q4_1.argtypes = [_P, _I, _I, _P, _P, _P, _T]
-        lib.actorlm_find_q8_0.argtypes = [_P, _I, _I, _P, _P, _T]
-        lib.actorlm_find_q4_1.restype = lib.actorlm_find_q8_0.restype = ctypes.c_int
+        lib.actorlm_find_blocks.argtypes = [_T, _P, _I, _I, _P, _P, _P, _T]
+        lib.actorlm_find_blocks.restype = ctypes.c_int
         for name in ("actorlm_dequant_q4_1", "actorlm_dequant_q8_0"):
             getattr(lib, name).argtypes = [_P, _I, _P, _T]
             getattr(lib, name).restype = None
@@ -209,17 +208,14 @@ def _find(lib: Any, kind: str, w: torch.Tensor) -> PackedWeight | None:
     n, k = w.shape
     g, nb = -(-n // GROUP), k // QK
     d = torch.zeros(g, nb, GROUP, dtype=torch.float16)  # padding rows stay zero
-    threads = torch.get_num_threads()
-    if kind == "q4_1":
-        q = torch.zeros(g, nb, QK // 2, GROUP, dtype=torch.uint8)
-        m = torch.zeros_like(d)
-        ok = lib.actorlm_find_q4_1(
-            w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), threads
-        )
-        return PackedWeight(kind, q, d, m, (n, k)) if ok else None
-    q = torch.zeros(g, nb, QK, GROUP, dtype=torch.int8)
-    ok = lib.actorlm_find_q8_0(w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(), threads)
-    return PackedWeight(kind, q, d, None, (n, k)) if ok else None
+    q4 = kind == "q4_1"
+    q = torch.zeros(g, nb, QK // 2 if q4 else QK, GROUP, dtype=torch.uint8 if q4 else torch.int8)
+    m = torch.zeros_like(d) if q4 else None
+    ok = lib.actorlm_find_blocks(
+        int(q4), w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(),
+        m.data_ptr() if m is not None else None, torch.get_num_threads(),
+    )  # fmt: skip
+    return PackedWeight(kind, q, d, m, (n, k)) if ok else None
 
 
 class Lin(ctypes.Structure):
