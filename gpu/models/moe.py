@@ -161,7 +161,6 @@ class SparseMoE(nn.Module):
         self.act = act
         # (gate_up [E, 2I, H], down [E, H, I]) and the experts' weight pointers into them
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._stack_ptrs: list[int] = []
 
     def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` over the last dim of [..., 2I] (an expert's ``GatedMLP`` math)
@@ -172,24 +171,26 @@ class SparseMoE(nn.Module):
         gate, up = rows.chunk(2, dim=-1)
         return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
-    def _expert_weights(self) -> list[torch.Tensor]:
-        experts: list[GatedMLP] = list(self.experts)  # type: ignore[arg-type]
-        return [w for e in experts for w in (e.gate_up_proj.weight, e.down_proj.weight)]
-
     def dense_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts' weights stacked (gate_up [E, 2I, H], down [E, H, I]), or None when
         a linear method left other modules. Built on first use, after the loader and the
         linear method are done; each expert's parameter becomes a view of the stack. A
-        later change (a cast, a conversion) shows as moved pointers, and it is redone."""
+        later change (a cast, a conversion) moves or replaces the first and last experts'
+        weights too, and it is redone; checking those two keeps the per-step cost flat
+        in the number of experts."""
         experts: list[GatedMLP] = list(self.experts)  # type: ignore[arg-type]
-        lins = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
         if self._stack is not None:
+            gate_up, down = self._stack
+            first, last = experts[0].gate_up_proj, experts[-1].down_proj
             if (
-                all(_plain(m) for m in lins)
-                and [w.data_ptr() for w in self._expert_weights()] == self._stack_ptrs
+                _plain(first)
+                and _plain(last)
+                and first.weight.data_ptr() == gate_up.data_ptr()
+                and last.weight.data_ptr() == down[-1].data_ptr()
             ):
                 return self._stack
             self._stack = None
+        lins = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
         if not all(_plain(m) for m in lins) or len({m.weight.dtype for m in lins}) != 1:
             return None
         with torch.inference_mode(False):  # parameters, not inference tensors
@@ -199,7 +200,6 @@ class SparseMoE(nn.Module):
                 e.gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
                 e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
         self._stack = (gate_up, down)
-        self._stack_ptrs = [w.data_ptr() for w in self._expert_weights()]
         return self._stack
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
