@@ -26,9 +26,10 @@ def decode_kernel() -> Any | None:
     return fn
 
 
-def prefill_kernel() -> Any | None:
-    """The compiled ``actorlm_paged_prefill``, or None where it cannot be built."""
-    lib = native.load(Path(__file__).with_name("cpu_prefill.c"))
+def prefill_kernel(level: str = "") -> Any | None:
+    """The compiled ``actorlm_paged_prefill`` for ISA ``level`` (default: the best
+    here), or None where it cannot be built."""
+    lib = native.load(Path(__file__).with_name("cpu_prefill.c"), level)
     if lib is None:
         return None
     fn = lib.actorlm_paged_prefill

@@ -144,9 +144,11 @@ static void task(const void *q, int64_t q_row, int q_bf16, const char *kh, const
                 vb[j * D + d] = at(vr, kv_bf16, d);
             }
         }
-        /* rows r = g * nq + i: token t0 + i, query head h * G + g; two at a time */
-        for (int64_t r = 0; r < G * nq; r += 2) {
-            const int two = VW == 16 && r + 1 < G * nq;
+        /* rows r = g * nq + i: token t0 + i, query head h * G + g; two at a time in the
+           avx512 build, one in the others (whose 16 registers two rows would overflow) */
+        int two = 0;
+        for (int64_t r = 0; r < G * nq; r += 1 + two) {
+            two = VW == 16 && r + 1 < G * nq;
             int64_t seen[2];
             for (int u = 0; u < 1 + two; u++) {
                 const int64_t qpos = start + t0 + (r + u) % nq;
