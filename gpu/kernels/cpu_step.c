@@ -22,6 +22,7 @@
  * the base output, and the expands run in the phase after (qkv's in each attention
  * task, on its heads' columns; o's and down's on every thread's own residual rows);
  * gate and up, whose outputs meet SiLU as they are made, shrink on every thread.
+ * Rows of one slot go through lora.h a block at a time (the worker groups them by slot).
  */
 #include <math.h>
 #include <omp.h>
@@ -55,19 +56,27 @@ typedef struct {
 
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_N };
 
-/* y[0, c1 - c0) += row's delta of projection L from its shrink u, when its slot adapts L */
-static inline void lora_add(const lora_t *L, int64_t slot, const float *u, float *y, int64_t c0,
-                            int64_t c1) {
-    if (lora_rank(L, slot)) lora_expand(L, slot, u, y, c0, c1);
+/* y[b * ys:][0, c1 - c0) += row b's delta of projection L from its shrink (u + b * us),
+   rows [lo, hi) that L adapts, a block of rows of one slot at a time */
+static void lora_adds(const lora_t *L, const int32_t *row_slots, const float *u, int64_t us,
+                      float *y, int64_t ys, int64_t c0, int64_t c1, int64_t lo, int64_t hi) {
+    for (int64_t b = lo, e; b < hi; b = e) {
+        e = lora_block_end(row_slots, b, hi);
+        if (lora_rank(L, row_slots[b]))
+            lora_expand_rows(L, row_slots[b], u + b * us, us, y + b * ys, ys, c0, c1, (int)(e - b));
+    }
 }
 
 /* u[b * nm + i] (each R floats) = the shrink of x's row b by projection m0 + i, rows [lo, hi) */
 static void lora_shrinks(const lora_t *LL, int m0, int nm, const int32_t *row_slots,
                          const float *x, int64_t xs, int64_t lo, int64_t hi, float *u, int64_t R) {
-    for (int64_t b = lo; b < hi; b++)
+    for (int64_t b = lo, e; b < hi; b = e) {
+        e = lora_block_end(row_slots, b, hi);
         for (int i = 0; i < nm; i++)
             if (lora_rank(&LL[m0 + i], row_slots[b]))
-                lora_shrink(&LL[m0 + i], row_slots[b], x + b * xs, u + (b * nm + i) * R);
+                lora_shrink_rows(&LL[m0 + i], row_slots[b], x + b * xs, xs, u + (b * nm + i) * R,
+                                 nm * R, (int)(e - b));
+    }
 }
 
 #define SILU_CHUNK 64 /* gate/up columns computed together: [B, 64] twice stays in L1 */
@@ -164,12 +173,10 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
         /* lin_cols writes y[r * ys + col]: point y so column c lands at tg[0] */
         lin_cols(L, xn, B, hidden, c, c + w, tg - c, w);
         lin_cols(L, xn, B, hidden, inter + c, inter + c + w, tu - (inter + c), w);
-        if (ll)
-            for (int64_t r = 0; r < B; r++) {
-                const float *u = u_gu + r * 2 * R;
-                lora_add(&ll[LORA_GATE], row_slots[r], u, tg + r * w, c, c + w);
-                lora_add(&ll[LORA_UP], row_slots[r], u + R, tu + r * w, c, c + w);
-            }
+        if (ll) {
+            lora_adds(&ll[LORA_GATE], row_slots, u_gu, 2 * R, tg, w, c, c + w, 0, B);
+            lora_adds(&ll[LORA_UP], row_slots, u_gu + R, 2 * R, tu, w, c, c + w, 0, B);
+        }
         for (int64_t r = 0; r < B; r++) {
             const float *g = tg + r * w, *u = tu + r * w;
             float *o = act + r * inter + c;
@@ -244,10 +251,15 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                         const int64_t s = row_slots[b];
                         float *row = qkv + b * qkv_n;
                         const float *u = u_qkv + b * 3 * R;
-                        lora_add(&ll[LORA_Q], s, u, row + h * G * D, h * G * D, (h + 1) * G * D);
-                        lora_add(&ll[LORA_K], s, u + R, row + (H + h) * D, h * D, (h + 1) * D);
-                        lora_add(&ll[LORA_V], s, u + 2 * R, row + (H + Hkv + h) * D, h * D,
-                                 (h + 1) * D);
+                        if (lora_rank(&ll[LORA_Q], s))
+                            lora_expand_rows(&ll[LORA_Q], s, u, 0, row + h * G * D, 0, h * G * D,
+                                             (h + 1) * G * D, 1);
+                        if (lora_rank(&ll[LORA_K], s))
+                            lora_expand_rows(&ll[LORA_K], s, u + R, 0, row + (H + h) * D, 0,
+                                             h * D, (h + 1) * D, 1);
+                        if (lora_rank(&ll[LORA_V], s))
+                            lora_expand_rows(&ll[LORA_V], s, u + 2 * R, 0, row + (H + Hkv + h) * D,
+                                             0, h * D, (h + 1) * D, 1);
                     }
                     attention_task(M, l, b, h, qkv, qkv_n, cos_t, sin_t, slots[b],
                                    pages + b * table_stride, seq_lens[b], scores, acc,
@@ -260,9 +272,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 if (ll) lora_shrinks(ll, LORA_O, 1, row_slots, attn, H * D, lo, hi, u_o, R);
                 team_wait(&team, nt, &phase);
                 add_rows(res, lin_out, B * Hd);
-                if (ll)
-                    for (int64_t b = 0; b < B; b++)
-                        lora_add(&ll[LORA_O], row_slots[b], u_o + b * R, res + b * Hd, 0, Hd);
+                if (ll) lora_adds(&ll[LORA_O], row_slots, u_o, R, res, Hd, 0, Hd, 0, B);
                 norm_rows(res, L->post_norm, xn, B, Hd, eps);
                 if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xn, Hd, 0, B, u_gu, R);
                 lin_part(I, t, nt, &c0, &c1);
@@ -274,9 +284,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 if (ll) lora_shrinks(ll, LORA_DOWN, 1, row_slots, act, I, lo, hi, u_down, R);
                 team_wait(&team, nt, &phase);
                 add_rows(res, lin_out, B * Hd);
-                if (ll)
-                    for (int64_t b = 0; b < B; b++)
-                        lora_add(&ll[LORA_DOWN], row_slots[b], u_down + b * R, res + b * Hd, 0, Hd);
+                if (ll) lora_adds(&ll[LORA_DOWN], row_slots, u_down, R, res, Hd, 0, Hd, 0, B);
                 const float *next = l + 1 < M->num_layers ? M->layers[l + 1].in_norm : M->final_norm;
                 norm_rows(res, next, xn, B, Hd, eps);
             }

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.skipif(native_lora() is None, reason="needs a C compile
 
 RANKS = [3, 0, 8, 16]  # slot 1 leaves the projection alone
 ROWS = [BASE, 2, 2, 0, BASE, 3, 1, 0, 2, 3, 3, BASE, 0]  # not grouped: the kernel needs no order
+# grouped by slot as steps are: runs of 1 to 11 rows, which the kernel takes a few at a time
+GROUPED = [BASE] * 2 + [0] * 11 + [1] * 3 + [2] * 5 + [3] * 4 + [2] + [3] * 3
 
 
 def rank_major(w: LoraWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,22 +37,23 @@ def weights(k: int, n: int, dtype: torch.dtype) -> LoraWeights:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,n", [(64, 48), (37, 21)])  # whole vectors, and ragged tails
-def test_native_matches_the_reference(dtype: torch.dtype, k: int, n: int) -> None:
+@pytest.mark.parametrize("k,n", [(64, 48), (37, 21), (80, 144)])  # ragged tails; 9 vectors
+@pytest.mark.parametrize("rows", [ROWS, GROUPED], ids=["mixed", "grouped"])
+def test_native_matches_the_reference(dtype: torch.dtype, k: int, n: int, rows: list[int]) -> None:
     torch.manual_seed(0)
     w = weights(k, n, dtype)
     a, b = rank_major(w)
-    x = torch.randn(len(ROWS), k).to(dtype)
-    y0 = torch.randn(len(ROWS), n).to(dtype)
+    x = torch.randn(len(rows), k).to(dtype)
+    y0 = torch.randn(len(rows), n).to(dtype)
     want = y0.clone()
-    lora_apply_torch(x, want, w, LoraBatch.from_tokens(ROWS))
+    lora_apply_torch(x, want, w, LoraBatch.from_tokens(rows))
     got = y0.clone()
     desc = describe(a, b, w.ranks)
     assert desc is not None
-    assert lora_apply_native(x, got, desc, torch.tensor(ROWS, dtype=torch.int32))
+    assert lora_apply_native(x, got, desc, torch.tensor(rows, dtype=torch.int32))
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the reference rounds the delta too
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    adapted = [s != BASE and RANKS[s] > 0 for s in ROWS]
+    adapted = [s != BASE and RANKS[s] > 0 for s in rows]
     changed = (got != y0).any(1).tolist()
     assert changed == adapted  # base rows and rank-0 slots are never written
 
