@@ -85,16 +85,24 @@ async def _batch(engine: Any, prompts: list[list[int]], loras: list[str | None],
     return time.perf_counter() - t0, outs
 
 
+_PER_RUN = ("tok_s", "wall_s", "steps", "forward_ms")  # kept for each timed run
+
+
 def timed(
     engine: Any, prompts: list[list[int]], loras: list[str | None], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One timed batch (``loras[i]`` for request ``i``)."""
+    """One timed batch (``loras[i]`` for request ``i``), with the worker's steps and
+    forward time over it (where the time went: more steps, or slower ones)."""
+    before = engine.stats()["worker"]
     wall, outs = asyncio.run(_batch(engine, prompts, loras, args.output_len))
+    after = engine.stats()["worker"]
     tokens = sum(len(o.token_ids) for o in outs)
     return {
         "wall_s": wall,
         "tokens": tokens,
         "tok_s": tokens / wall,
+        "steps": after["steps"] - before["steps"],
+        "forward_ms": after["forward_ms_total"] - before["forward_ms_total"],
         "ids": [o.token_ids for o in outs],
     }
 
@@ -175,7 +183,9 @@ def run(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                 "tok_s": statistics.median(r["tok_s"] for _, r in pairs),
                 "base_tok_s": statistics.median(b["tok_s"] for b, _ in pairs),
                 "vs_base": statistics.median(r["tok_s"] / b["tok_s"] for b, r in pairs),
-                "runs": [{"base": b["tok_s"], "lora": r["tok_s"]} for b, r in pairs],
+                "runs": [
+                    {key: {"base": b[key], "lora": r[key]} for key in _PER_RUN} for b, r in pairs
+                ],
             }
             if k == 0:
                 row["same_tokens_as_base"] = pairs[0][1]["ids"] == pairs[0][0]["ids"]

@@ -1,7 +1,8 @@
 """LoRA's cost per decode step, in one process: one ModelRunner with ``--adapters``
 random adapters of rank ``--rank`` in its slots, a batch of ``--batch`` sequences
-(request ``i`` uses adapter ``i mod k``), and each decode position computed once by
-every path below in turn, so that all of them see the same load (a shared machine's
+(request ``i`` uses adapter ``i mod k``), its prompts as one step with and without the
+adapters (``base prefill``, ``lora prefill``, alternating), and each decode position
+computed once by every path below in turn, so that all of them see the same load (a shared machine's
 load drifts over seconds; engine-level runs, ``bench/lora.py``, compare runs seconds
 apart). Reported: the median step time of each path over ``--steps`` positions, and
 its throughput beside the base model's fused step (what users get without adapters).
@@ -48,6 +49,7 @@ from bench.gpu import machine  # noqa: E402
 from bench.machine import save  # noqa: E402
 
 PATHS = ("base fused", "base model", "lora fused", "lora model native", "lora model gather")
+PREFILL_PATHS = ("base prefill", "lora prefill")  # the batch's prompts in one step
 
 
 def load_adapters(runner: ModelRunner, k: int, rank: int, seed: int) -> None:
@@ -81,16 +83,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_seq = -(-(args.input_len + args.steps + 1) // ps)
     pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(B)]
     prompts = [rng.integers(100, 10000, args.input_len).tolist() for _ in range(B)]
-    pool.plan = LoraPlan.build([args.input_len] * B, slots, pool.ranks, native=pool.native)
-    try:
-        tokens = runner.run([SeqSpec(p, 0, pages[i]) for i, p in enumerate(prompts)]).argmax(1)
-    finally:
-        pool.plan = None
+    prefill_plan = LoraPlan.build([args.input_len] * B, slots, pool.ranks, native=pool.native)
+    prompt_seqs = [SeqSpec(p, 0, pages[i]) for i, p in enumerate(prompts)]
+    times: dict[str, list[float]] = {p: [] for p in (*PATHS, *PREFILL_PATHS)}
+    for repeat in range(args.prefill_repeats + 1):  # the first warms up
+        for path in PREFILL_PATHS:  # the same prompts into the same pages, each way
+            pool.plan = prefill_plan if path.startswith("lora") else None
+            t0 = time.perf_counter()
+            try:
+                logits = runner.run(prompt_seqs)
+            finally:
+                pool.plan = None
+            if repeat:
+                times[path].append(time.perf_counter() - t0)
+    tokens = logits.argmax(1)  # the adapters' next tokens
     plans = {
         "native": LoraPlan.build([1] * B, slots, pool.ranks, native=True),
         "gather": LoraPlan.build([1] * B, slots, pool.ranks),
     }
-    times: dict[str, list[float]] = {p: [] for p in PATHS}
     for step in range(args.steps + 2):  # the first two warm each path up
         pos = args.input_len + step
         seqs = [SeqSpec([int(t)], pos, pages[i]) for i, t in enumerate(tokens.tolist())]
@@ -110,9 +120,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if step >= 2:
                 times[path].append(time.perf_counter() - t0)
         tokens = logits.argmax(1)
-    base = statistics.median(times["base fused"])
+    base = {
+        p: statistics.median(times["base prefill" if p in PREFILL_PATHS else "base fused"])
+        for p in times
+    }
     rows = [
-        {"path": p, "ms": 1e3 * statistics.median(t), "vs_base_fused": base / statistics.median(t)}
+        {"path": p, "ms": 1e3 * statistics.median(t), "vs_base": base[p] / statistics.median(t)}
         for p, t in times.items()
     ]
     return {"rows": rows, "dtype": str(runner.dtype), "isa": fused.isa, "model": model.name}
@@ -127,12 +140,13 @@ def markdown(res: dict[str, Any], args: argparse.Namespace) -> str:
         f"CPU: {m.get('cpu_model', '?')} ({m.get('cores')} cores, load {m.get('load'):.1f}); "
         f"threads {args.threads or 'all'}; torch {m.get('torch')}; {res['date']}",
         "",
-        "| path | ms / step | tok/s | vs base fused |",
+        "| path | ms / step | tok/s | vs base (fused decode; prefill) |",
         "| --- | ---: | ---: | ---: |",
     ]
     for r in res["rows"]:
-        tok_s = args.batch / r["ms"] * 1e3
-        lines.append(f"| {r['path']} | {r['ms']:.1f} | {tok_s:.0f} | {r['vs_base_fused']:.2f} |")
+        tokens = args.batch * (args.input_len if r["path"] in PREFILL_PATHS else 1)
+        tok_s = tokens / r["ms"] * 1e3
+        lines.append(f"| {r['path']} | {r['ms']:.1f} | {tok_s:.0f} | {r['vs_base']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +160,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=24, help="decode positions timed")
+    p.add_argument("--prefill-repeats", type=int, default=5, help="prompt steps timed each way")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/lora_step.json", help="raw results (JSON)")
