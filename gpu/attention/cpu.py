@@ -12,10 +12,10 @@ A sliding window starts each sequence's keys at its window inside the first page
 the window touches. A bf16 pool decodes through ``cpu_step.c``'s kernel of the
 same shape (``attend.h``: K and V widened as read, q and the output through fp32),
 and its prompts through ``cpu_prefill.c``; that decode kernel also takes windows and
-soft-capped scores (Gemma 2's decodes at batch 32 spent ~1.5 ms a layer in the torch
-path's gather, cap and softmax). Anything the kernels do not cover (other dtypes or
-devices, no C compiler, an fp32 pool's soft cap, windowed or capped prompts) takes
-the torch path. (Decode-only steps of small batches skip the backend altogether:
+soft-capped scores, over bf16 or fp32 pages, so capped decodes of either pool run it
+(Gemma 2's decodes at batch 32 spent ~1.5 ms a layer in the torch path's gather, cap
+and softmax). Anything the kernels do not cover (other dtypes or devices, no C
+compiler, windowed or capped prompts) takes the torch path. (Decode-only steps of small batches skip the backend altogether:
 the fused step, ``gpu/fused_decode.py``, attends inside its one native call.)
 """
 
@@ -43,11 +43,11 @@ class CpuBackend(TorchNativeBackend):
         pool = self.pool
         cpu = pool.device.type == "cpu"
         self._bf16 = cpu and pool.dtype == torch.bfloat16
-        if self._bf16:  # cpu_step.c reads bf16 pages; q and out go through fp32
-            lib = native_step()
-            self._kernel = None if lib is None else lib.actorlm_paged_decode_kv
-        else:
-            self._kernel = decode_kernel() if cpu and pool.dtype == torch.float32 else None
+        fp32 = cpu and pool.dtype == torch.float32
+        # cpu_step.c's kernel reads bf16 or fp32 pages and caps scores; q and out fp32
+        lib = native_step() if self._bf16 or fp32 else None
+        self._kv_kernel = None if lib is None else lib.actorlm_paged_decode_kv
+        self._kernel = self._kv_kernel if self._bf16 else decode_kernel() if fp32 else None
         if self._kernel is None:
             log.info("cpu attention: decodes take the torch path (%s)", pool.dtype)
         # bf16 prompts: torch's CPU flash attention runs them at ~30 GFLOP/s a core
@@ -92,8 +92,7 @@ class CpuBackend(TorchNativeBackend):
         return out
 
     def _plan_decode(self, d: _Decode, meta: ForwardMeta) -> _Decode:
-        # only the bf16 kernel caps scores
-        if self._kernel is None or (meta.logit_softcap and not self._bf16):
+        if (self._kv_kernel if meta.logit_softcap else self._kernel) is None:
             return super()._plan_decode(d, meta)
         table = torch.from_numpy(np.ascontiguousarray(d.table))
         lens = torch.tensor(d.seq_lens, dtype=torch.int64)
@@ -102,7 +101,8 @@ class CpuBackend(TorchNativeBackend):
         return d
 
     def _decode(self, q: torch.Tensor, layer: int, d: _Decode, cap: float = 0.0) -> torch.Tensor:
-        if not d.kernel_args or self._kernel is None:
+        kernel = self._kv_kernel if cap or self._bf16 else self._kernel
+        if not d.kernel_args or kernel is None:
             return super()._decode(q, layer, d, cap)
         qd = q[d.rows]  # [B, H, D]
         if self._bf16:
@@ -114,10 +114,10 @@ class CpuBackend(TorchNativeBackend):
         B, H, D = d.batch, self.num_heads, self.head_dim
         out = qd.new_empty(B, H * D)
         pool = self.pool
-        # the bf16 kernel: a KV-dtype flag after the pages, the soft cap after the scale
-        kv = (1,) if self._bf16 else ()
-        capped = (float(cap),) if self._bf16 else ()
-        rc = self._kernel(
+        # cpu_step.c's kernel: a KV-dtype flag after the pages, the soft cap after the scale
+        kv = (int(self._bf16),) if kernel is self._kv_kernel else ()
+        capped = (float(cap),) if kv else ()
+        rc = kernel(
             qd.data_ptr(),
             qd.stride(0),
             pool.k_pages(layer).data_ptr(),

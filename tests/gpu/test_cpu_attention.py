@@ -156,12 +156,14 @@ def test_windowed_decodes_attend_to_the_last_window_keys(window: int) -> None:
     assert (got - ref).abs().max().item() < 1e-5  # the C kernel's
 
 
-def test_softcapped_decodes_take_the_torch_path_and_cap() -> None:
+def test_softcapped_fp32_decodes_take_the_capping_kernel() -> None:
+    """An fp32 pool's capped decodes run cpu_step.c's kernel (cpu_decode.c does not cap),
+    equal to the torch path and to the key-by-key reference."""
     torch.manual_seed(4)
     pool, meta, q, k, v = decode_batch([9, 40, 3], 4, 2, 32, torch.float32, scale_q=20.0)
     meta.layer_windows, meta.logit_softcap = (0, 8), 5.0
     want, got, ours = both(pool, meta, q, k, v, 4)
-    assert not meta.attn[8].decode.kernel_args  # the kernel does not cap
+    assert meta.attn[8].decode.kernel_args  # the kernel, not the torch path
     ref = reference_decode(pool, meta, q, 1, 8, cap=5.0)
     assert (want - ref).abs().max().item() < 1e-5 and (got - ref).abs().max().item() < 1e-5
 
