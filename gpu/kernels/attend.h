@@ -2,7 +2,8 @@
  * bf16 (widened as read), q and the output fp32: the shape of cpu_decode.c's kernel
  * (scores 8 keys at a time with one transpose-add tree, softmax over the whole
  * context, then the weighted sum of values page by page with the accumulators in
- * registers), for the two KV dtypes. Used by cpu_step.c (the fused decode step,
+ * registers), for the two KV dtypes (bf16 pages widened once a page when several query
+ * heads share them). Used by cpu_step.c (the fused decode step,
  * either dtype) and by its actorlm_paged_decode_kv (the cpu attention backend's
  * decodes over a bf16 pool). The backend's decodes may start inside the first page
  * (a sliding window: the keys before `start` are masked) and soft-cap the scaled
@@ -23,6 +24,11 @@ static inline __attribute__((always_inline)) v8f kv_load8(const int bf16, const 
 static inline __attribute__((always_inline)) float kv_at(const int bf16, const void *p,
                                                          int64_t off) {
     return bf16 ? bf16_f32(((const uint16_t *)p)[off]) : ((const float *)p)[off];
+}
+
+/* dst[0..n) = the bf16 values src[0..n) in fp32 (n % 8 == 0) */
+static inline void att_widen(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) *(v8f *)(dst + i) = kv_load8(1, src, i);
 }
 
 /* s[0..n) = exp(s - m); returns their sum */
@@ -115,12 +121,26 @@ static inline __attribute__((always_inline)) void attend_kv(
     const int64_t page_elems = page_size * D;
     const int vec = D % 8 == 0;
     const int64_t esize = bf16 ? 2 : 4;
+    /* bf16 pages shared by G > 1 query heads: widened once into `page` (a page of fp32,
+       in L1), not once a head (the widening cost as much as the multiply-adds) */
+    const int wide = bf16 && vec && G > 1;
+    float page[wide ? page_elems : 1] __attribute__((aligned(32)));
     for (int64_t t0 = 0; t0 < len; t0 += page_size) {
         const int64_t off = table[t0 / page_size] * page_elems;
         const int64_t n = len - t0 < page_size ? len - t0 : page_size;
         if (t0 + page_size < len) { /* the next page of K, beyond the prefetcher's reach */
             const char *next = (const char *)k + table[t0 / page_size + 1] * page_elems * esize;
             for (int64_t i = 0; i < page_elems * esize; i += 64) __builtin_prefetch(next + i, 0, 2);
+        }
+        if (wide) { /* the page's keys widened once for all G heads */
+            att_widen(page, (const uint16_t *)k + off, n * D);
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = scores + g * len + t0;
+                int64_t i = 0;
+                for (; i + 8 <= n; i += 8) *(v8f *)(sg + i) = att_dot8(0, q + g * D, page, i * D, D) * scale;
+                for (; i < n; i++) sg[i] = att_dot(0, q + g * D, page, i * D, D) * scale;
+            }
+            continue;
         }
         for (int64_t g = 0; g < G; g++) {
             float *sg = scores + g * len + t0;
@@ -143,6 +163,13 @@ static inline __attribute__((always_inline)) void attend_kv(
     for (int64_t t0 = 0; t0 < len; t0 += page_size) {
         const int64_t off = table[t0 / page_size] * page_elems;
         const int64_t n = len - t0 < page_size ? len - t0 : page_size;
+        const void *vp = v;
+        int vbf16 = bf16;
+        int64_t voff = off;
+        if (wide) { /* the page's values widened once for all G heads */
+            att_widen(page, (const uint16_t *)v + off, n * D);
+            vp = page, vbf16 = 0, voff = 0;
+        }
         for (int64_t g = 0; g < G; g++) {
             const float *sg = scores + g * len + t0;
             float *ag = acc + g * D;
@@ -154,7 +181,7 @@ static inline __attribute__((always_inline)) void attend_kv(
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 switch ((D - d0 < 64 ? D - d0 : 64) / 8) {
 #define WEIGH(w) \
-    case w: att_weigh(bf16, ag + d0, sg, v, off + d0, n, D, w); break;
+    case w: att_weigh(vbf16, ag + d0, sg, vp, voff + d0, n, D, w); break;
                     WEIGH(1) WEIGH(2) WEIGH(3) WEIGH(4) WEIGH(5) WEIGH(6) WEIGH(7) WEIGH(8)
 #undef WEIGH
                 }
