@@ -44,6 +44,7 @@ _ALIASES = {
     "max_running_requests": ["--max-num-seqs"],
     "enable_prefix_cache": [],
     "grammar_compile_timeout_s": ["--grammar-compile-timeout", "--grammar-compile-timeout-s"],
+    "drain_timeout_s": ["--drain-timeout-s", "--shutdown-timeout"],
 }
 
 

@@ -61,7 +61,7 @@ FLAG_HELP: dict[str, str] = {
     "trust_request_chat_template": "let requests bring their own chat template (code!)",
     "chat_template_timeout_s": "a chat template render taking longer fails its request",
     "max_prompt_chars": "longer prompts are refused before tokenizing (0: 64 x the context)",
-    "drain_timeout_s": "on SIGTERM, how long requests in flight may still run",
+    "drain_timeout_s": "on SIGTERM or POST /drain, how long requests in flight may still run",
     # deployment and liveness
     "transport": "how actors talk under serve: ipc (default), tcp, or inproc",
     "run_dir": "folder for ipc sockets (empty: a fresh owner-only temporary one)",

@@ -3,8 +3,9 @@
 This process is the supervisor and nothing else: it starts the gateway (which binds
 the HTTP port at once, so ``/health`` answers 503 while the model loads) and the
 pipeline actors, each in a process of its own; it restarts whichever dies, the
-gateway included, while the others keep their state. SIGINT/SIGTERM: the gateway
-stops accepting and drains for ``drain_timeout_s``, then every actor stops.
+gateway included, while the others keep their state. SIGINT/SIGTERM or ``POST
+/drain``: the gateway stops accepting and drains for ``drain_timeout_s``
+(``--shutdown-timeout``), then every actor stops and the process exits.
 
 With a deployment file (``serve --deploy cluster.toml``) the actors run elsewhere
 (``actorlm actor ROLE --deploy cluster.toml``) and this process runs the gateway
@@ -61,6 +62,7 @@ async def serve_async(
         say(f"actorlm: {role} ready ({done}/{total}, {time.monotonic() - started:.1f}s)")
 
     launcher.on_ready = ready
+    launcher.on_stop_requested = stop.set  # POST /drain: as SIGTERM
     start = asyncio.create_task(launcher.start())
     stopper = asyncio.create_task(stop.wait())
     status = 0
@@ -85,6 +87,7 @@ async def serve_async(
 async def _gateway_alone(config: EngineConfig, deployment: Deployment, stop: asyncio.Event) -> int:
     """The gateway in this process, beside actors started elsewhere."""
     actor = GatewayActor(config)
+    actor.on_drain = stop.set  # POST /drain: as SIGTERM
     book = dict(deployment.addresses)
     address = book.get("gateway") or f"tcp://{config.server.host}:{free_port(config.server.host)}"
     transport = ZmqTransport.for_deploy(config.deploy)

@@ -6,7 +6,10 @@ beside actors started with ``actorlm actor``. Either way it binds the HTTP port
 first, so ``/health`` answers 503 at once, and it is ready when it has heard from
 every pipeline actor; from then on ``/health`` follows their liveness, naming any
 that is down. Told to stop, it stops accepting, lets the streams in flight finish
-for ``drain_timeout_s``, ends the rest as aborted, then closes.
+for ``drain_timeout_s``, ends the rest as aborted, then closes. ``POST /drain``
+starts that stop from the HTTP side: new requests get 503 at once, and the gateway
+asks its supervisor to stop the deployment (``StopDeployment``), or, run alone,
+calls ``on_drain``.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
 from ..actors.client import ClientActor, EngineClient, pipeline_roles
 from ..actors.runtime import ActorError
 from ..config import EngineConfig
+from ..messages.control import StopDeployment
 from ..messages.generate import FinishReason, TextDelta
 from .app import build_app
 from .params import ModelLimits
@@ -47,6 +52,8 @@ class GatewayActor(ClientActor):
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._down: set[str] = set()  # pipeline roles seen going down, not back yet
+        self.on_drain: Callable[[], None] | None = None  # run alone: how POST /drain stops
+        self.state.request_stop = self._request_stop
 
     @property
     def url(self) -> str:
@@ -115,6 +122,17 @@ class GatewayActor(ClientActor):
             self.state.metrics.actor_restarts.labels(role=role).inc()
         if role == "worker" and self.state.ready:
             await self._learn_model()
+
+    def _request_stop(self, reason: str) -> None:
+        """Stop the deployment this gateway fronts: its supervisor's, or (alone) ours."""
+        self.state.draining = True
+        supervisor = self.runtime.options.supervisor
+        if supervisor:
+            self.spawn(self.send(supervisor, StopDeployment(reason=reason)), name="drain")
+        elif self.on_drain is not None:
+            self.on_drain()
+        else:
+            self.runtime.stop_gracefully()
 
     async def before_stop(self) -> None:
         self.state.draining = True

@@ -30,6 +30,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 CONTROL_PATHS = frozenset(
     {
         "/abort_request",
+        "/drain",
         "/flush_cache",
         "/load_lora_adapter",
         "/unload_lora_adapter",

@@ -196,6 +196,20 @@ async def get_server_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+async def drain(request: web.Request) -> web.Response:
+    """Stop admitting (every new request 503, ``/health`` "draining"), let the requests
+    in flight finish within ``--shutdown-timeout``, then stop the server (as SIGTERM)."""
+    state = request.app[STATE]
+    in_flight = state.client.in_flight if state.client is not None else 0
+    if not state.draining and state.request_stop is not None:
+        state.request_stop("POST /drain")
+    state.draining = True
+    timeout = state.config.server.drain_timeout_s
+    return web.json_response(
+        {"draining": True, "in_flight": in_flight, "shutdown_timeout_s": timeout}
+    )
+
+
 async def health(request: web.Request) -> web.Response:
     """200 while every pipeline actor is alive; else 503 saying why, naming the roles
     that are down (as this gateway's liveness tracking sees them right now)."""
@@ -260,6 +274,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/generate", generate),
         web.post("/abort_request", abort_request),
         web.post("/flush_cache", flush_cache),
+        web.post("/drain", drain),
         web.get("/get_model_info", get_model_info),
         web.get("/get_server_info", get_server_info),
         web.get("/health", health),

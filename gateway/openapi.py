@@ -225,6 +225,12 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
                     "responses": _answers("done", 400, 401, 503),
                 }
             },
+            "/drain": {
+                "post": {
+                    "summary": "stop admitting, finish what runs (--shutdown-timeout), then stop",
+                    "responses": _answers("draining", 401),
+                }
+            },
             "/get_model_info": _get("model facts"),
             "/get_server_info": _get("version, readiness, config, actor stats"),
             "/health": {"get": {"summary": "readiness", "responses": _answers("ok", 503)}},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,8 @@ class GatewayState:
     model_facts: dict[str, Any] = field(default_factory=dict)  # the worker's READY info
     tokenizer_facts: dict[str, Any] = field(default_factory=dict)  # the tokenizer's (templates)
     reserved: int = 0  # engine requests admitted and not finished
+    # POST /drain: stop admitting at once, then stop the deployment (the gateway's own)
+    request_stop: Callable[[str], None] | None = None
     metrics: GatewayMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "Ready",
     "Shutdown",
     "Stats",
+    "StopDeployment",
 ]
 
 
@@ -66,6 +67,14 @@ class PeerUp(Message, frozen=True, kw_only=True):
 
 class Shutdown(Message, frozen=True, kw_only=True):
     TAG: ClassVar[str] = "ctl.shutdown"
+    reason: str = ""
+
+
+class StopDeployment(Message, frozen=True, kw_only=True):
+    """member → supervisor: stop the whole deployment as SIGTERM would (the gateway's
+    ``POST /drain``): the gateway drains first, then every actor stops."""
+
+    TAG: ClassVar[str] = "ctl.stop_deployment"
     reason: str = ""
 
 

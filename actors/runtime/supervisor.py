@@ -15,7 +15,8 @@ A role that served for ``STABLE_LIFE_S`` before it died restarts at once (a kill
 OOM: every second of the wait is a second of 503s); one that keeps dying soon after
 its start backs off (0.5 s, doubling up to 10 s) so a crash loop does not spin.
 Stopping, the gateway (if it is a member) goes first, so it can drain the requests in
-flight while the actors still serve them.
+flight while the actors still serve them. A member may ask for that stop
+(``StopDeployment``: the gateway's ``POST /drain``); ``on_stop_requested`` decides.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import msgspec
 
 from ...config import EngineConfig
 from ...messages.base import Message
-from ...messages.control import PeerDown, PeerUp, Ready, Shutdown
+from ...messages.control import PeerDown, PeerUp, Ready, Shutdown, StopDeployment
 from ...messages.envelope import Envelope
 from .child import ACTOR_ROLES, ChildSpec, build_actor, run_actor
 from .dispatch import Actor, ActorError, ActorRuntime, RuntimeOptions, handles
@@ -109,6 +110,20 @@ class _SupervisorActor(Actor):
             if self.launcher.on_ready is not None:
                 self.launcher.on_ready(msg.role)
 
+    @handles(StopDeployment)
+    async def on_stop_deployment(self, msg: StopDeployment, env: Envelope) -> None:
+        stop = self.launcher.on_stop_requested
+        if env.sender not in self.launcher.members:  # only the deployment's own members
+            log.warning("dropped a stop request from %s: not a member", env.sender)
+            return
+        if stop is None:
+            log.warning(
+                "%s asked to stop the deployment (%s): no one here can", env.sender, msg.reason
+            )
+            return
+        log.info("%s asked to stop the deployment: %s", env.sender, msg.reason)
+        stop()
+
 
 class Launcher:
     """Starts ``roles`` under supervision. Use ``async with Launcher(...)``.
@@ -141,6 +156,8 @@ class Launcher:
         self.members = {r: _Member(r, spec, self.book[r]) for r, spec in specs.items()}
         self.transport = ZmqTransport.for_deploy(deploy)
         self.on_ready: Callable[[str], None] | None = None  # called with each role's READY
+        # called when a member asks for the deployment to stop (StopDeployment)
+        self.on_stop_requested: Callable[[], None] | None = None
         self._clients: list[ActorRuntime] = []
         self._supervisor = ActorRuntime(
             _SupervisorActor(config, self),
