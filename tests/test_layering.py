@@ -24,6 +24,7 @@ ENTRY_POINTS = {
 PURE_CORES = {
     "actorlm.actors.scheduler.policy",
     "actorlm.actors.cache.allocator",
+    "actorlm.actors.cache.blocks",
     "actorlm.actors.cache.eviction",
     "actorlm.actors.cache.hicache",
     "actorlm.actors.cache.kv_cache",
