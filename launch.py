@@ -37,6 +37,7 @@ from .config import (
     GrammarConfig,
     LoraConfig,
     ModelConfig,
+    RouterConfig,
     SchedulerConfig,
     ServerConfig,
 )
@@ -70,6 +71,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "lora": LoraConfig,
     "server": ServerConfig,
     "grammar": GrammarConfig,
+    "router": RouterConfig,
     "deploy": DeployConfig,
 }
 
@@ -174,6 +176,41 @@ def _validate_grammar(config: EngineConfig) -> None:
         )
 
     _validate_lora(config.lora)
+    _validate_router(config)
+
+
+def _validate_router(config: EngineConfig) -> None:
+    import actorlm.actors.router.policies  # noqa: F401  (registers the built-ins)
+
+    from .actors.replicas import parse_cpus
+    from .extensions.points import ROUTER_POLICIES
+
+    r = config.router
+    if r.dp_size < 1:
+        raise ConfigError(f"--dp-size {r.dp_size} is out of range (1 or more)")
+    if r.router_policy and r.router_policy not in ROUTER_POLICIES:
+        known = ", ".join(ROUTER_POLICIES.names())
+        raise ConfigError(
+            f"unknown router policy {r.router_policy!r} (--router-policy); known: {known}"
+        )
+    if not 0.0 <= r.router_cache_threshold <= 1.0 or r.router_balance_abs < 0:
+        raise ConfigError("--router-cache-threshold must be in [0, 1], --router-balance-abs >= 0")
+    if r.router_balance_rel < 1.0:
+        raise ConfigError(f"--router-balance-rel {r.router_balance_rel} must be >= 1")
+    if r.dp_size > 1 and config.lora.enabled:
+        raise ConfigError(
+            "--dp-size > 1 does not serve LoRA adapters yet (one lora_loader per worker)"
+        )
+    cpus = config.deploy.worker_cpus
+    if cpus and len(cpus) != r.dp_size:
+        raise ConfigError(
+            f"--worker-cpus names {len(cpus)} CPU sets for --dp-size {r.dp_size}: give one per replica"
+        )
+    for spec in cpus:
+        try:
+            parse_cpus(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--worker-cpus: {exc}") from None
 
 
 def _validate_lora(lora: LoraConfig) -> None:

@@ -35,6 +35,9 @@ PURE_CORES = {
     "actorlm.actors.lora_loader.registry",
     "actorlm.actors.lora_loader.slots",
     "actorlm.actors.scheduler.adapters",
+    "actorlm.actors.replicas",
+    "actorlm.actors.router.core",
+    "actorlm.actors.router.policies",
     "actorlm.actors.tokenizer.detokenize",
     "actorlm.actors.tokenizer.tokenization",
 }
