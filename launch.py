@@ -16,8 +16,10 @@ A deployment file (TOML) places each actor for a disaggregated start::
     address = "tcp://10.0.0.2:7002"
     # ... cache_manager, worker
 
-Other top-level tables ([scheduler], [cache], [server], [deploy]) set the
-same fields as the CLI flags.
+Other top-level tables ([scheduler], [cache], [server], [router], [deploy]) set the
+same fields as the CLI flags. Data-parallel replicas (``[router] dp_size = 2``) name
+their members' tables ``[actors.scheduler.1]`` (TOML nests them; they are read as the
+role ``scheduler.1``), and so on for ``cache_manager.1`` and ``worker.1``.
 """
 
 from __future__ import annotations
@@ -314,6 +316,24 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     return msgspec.structs.replace(config, model=model)
 
 
+def _flat_replicas(actors: Any) -> Any:
+    """``{"scheduler": {"address": a, "1": {"address": b}}}`` (what TOML makes of
+    ``[actors.scheduler.1]``) → ``{"scheduler": {...}, "scheduler.1": {...}}``."""
+    if not isinstance(actors, dict):
+        return actors
+    flat: dict[str, Any] = {}
+    for role, spec in actors.items():
+        if isinstance(spec, dict):
+            nested = {k: v for k, v in spec.items() if k.isdigit() and isinstance(v, dict)}
+            for index, sub in nested.items():
+                flat[f"{role}.{index}"] = sub
+            spec = {k: v for k, v in spec.items() if k not in nested}
+            if not spec and nested:
+                continue  # only replicas of it are placed here
+        flat[role] = spec
+    return flat
+
+
 class Deployment(msgspec.Struct, frozen=True, kw_only=True):
     config: EngineConfig
     addresses: dict[str, str]  # role → address peers use
@@ -327,7 +347,7 @@ def load_deployment(path: str | Path, base: EngineConfig | None = None) -> Deplo
         raise ConfigError(f"cannot read the deployment file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    actors = data.pop("actors", {})
+    actors = _flat_replicas(data.pop("actors", {}))
     config = base or EngineConfig()
     plugins = data.pop("plugins", {})
     if not isinstance(plugins, dict) or not all(isinstance(v, dict) for v in plugins.values()):
