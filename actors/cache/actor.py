@@ -124,6 +124,15 @@ class CacheManagerActor(Actor):
         await self._send_events()  # before the reply: the router knows before any client
         return outcome.result
 
+    async def on_peer_up(self, role: str) -> None:
+        if role == "tokenizer" and getattr(self, "events", None) is not None:
+            # A tokenizer heard from anew (a restart, or the first time): its router
+            # starts from nothing, so it gets this whole cache first.
+            assert self.events is not None
+            self.events.clear_all()
+            self.events.stored(self.kv.tree.cached_blocks())
+            await self._send_events()
+
     async def _send_events(self) -> None:
         if not self.events:
             return

@@ -305,6 +305,10 @@ class RadixTree:
     def cached_pages(self) -> list[int]:
         return [p for n in self._nodes() for p in n.pages]
 
+    def cached_blocks(self) -> list[int]:
+        """Every base-model page's block hash (with ``events``; else none)."""
+        return [h for n in self._nodes() for h in n.hashes]
+
     def check(self) -> None:
         """Raise AssertionError if the tree's bookkeeping is inconsistent (tests)."""
         cached = evictable = 0

@@ -129,3 +129,27 @@ def test_a_saturated_replica_sheds_load(engines: dict[str, Engine]) -> None:
     _burst(least, [prefix + _prompt(rng, 4) for _ in range(8)], 8)
     after = router(least)["router_routed"]
     assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]
+
+
+def test_a_restarted_tokenizer_learns_every_cache_again(engines: dict[str, Engine]) -> None:
+    import time
+
+    engine = engines["cache_aware"]
+    rng = random.Random(4)
+    engine.generate(_prompt(rng, 100), greedy(2))
+    stats = engine.stats()
+    held = [stats["cache_manager"]["pages_cached"], stats["cache_manager.1"]["pages_cached"]]
+    assert sum(held) > 0
+    launcher = engine._launcher
+    assert launcher is not None
+    member = launcher.members["tokenizer"]
+    old = member.incarnation
+    assert member.task is not None
+    member.task.cancel()  # it dies; the launcher starts a new one, whose router knows nothing
+    deadline = time.monotonic() + 20
+    while member.incarnation in (0, old) or not member.ready.is_set():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    while router(engine)["router_cached_blocks"] != held:  # each cache manager told it all
+        assert time.monotonic() < deadline, router(engine)
+        time.sleep(0.05)

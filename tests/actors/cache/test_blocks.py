@@ -77,7 +77,7 @@ def test_a_view_built_from_events_equals_the_tree(seed: int) -> None:
         assert not reset
         view.difference_update(removed)
         view.update(stored)
-        assert view == tree_blocks(tree)
+        assert view == tree_blocks(tree) == set(tree.cached_blocks())
         tree.check()
 
 
