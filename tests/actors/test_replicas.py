@@ -144,8 +144,10 @@ def test_a_restarted_tokenizer_learns_every_cache_again(engines: dict[str, Engin
     assert launcher is not None
     member = launcher.members["tokenizer"]
     old = member.incarnation
-    assert member.task is not None
-    member.task.cancel()  # it dies; the launcher starts a new one, whose router knows nothing
+    assert member.runtime is not None
+    # it stops (an exit the launcher did not ask for: a death); the launcher starts a new
+    # one, whose router knows nothing
+    engine._loop.call_soon_threadsafe(member.runtime.stop)
     deadline = time.monotonic() + 20
     while member.incarnation in (0, old) or not member.ready.is_set():
         assert time.monotonic() < deadline
