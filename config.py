@@ -17,6 +17,7 @@ __all__ = [
     "GrammarConfig",
     "LoraConfig",
     "ModelConfig",
+    "RouterConfig",
     "SchedulerConfig",
     "ServerConfig",
 ]
@@ -126,6 +127,19 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True):
     reasoning_parser: str = ""  # "" = off | deepseek-r1 | qwen3 | qwen3-thinking | a plugin's
 
 
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Data-parallel replicas (each its own scheduler, cache manager and worker) behind
+    the tokenizer's router (``actorlm.actors.router``)."""
+
+    dp_size: int = 1  # replicas; 1 = the single pipeline, no router
+    router_policy: str = ""  # cache_aware | round_robin | least_load | a plugin's; "" = cache_aware
+    # cache_aware (SGLang router semantics): the replica with the longest cached prefix
+    # when it covers this share of the prompt, unless the loads are unbalanced ...
+    router_cache_threshold: float = 0.5
+    router_balance_abs: int = 32  # ... by more than this many requests ...
+    router_balance_rel: float = 1.5  # ... and the busiest has more than this x the idlest's
+
+
 class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where actors live. ``addresses`` maps role → address (inproc://, ipc://, tcp://)."""
 
@@ -143,6 +157,9 @@ class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     restart_backoff_s: float = 0.5  # after a death soon after a start; doubles, up to 10 s
     keys_dir: str = ""  # CurveZMQ keys (`actorlm keys DIR`) for every tcp socket
     insecure: bool = False  # allow binding tcp beyond loopback without keys
+    # CPUs each replica's worker process is pinned to ("0", "2-3", "0,4"), one per replica
+    # (replica i takes the i-th); empty: not pinned
+    worker_cpus: list[str] = []
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +169,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora: LoraConfig = LoraConfig()
     server: ServerConfig = ServerConfig()
     grammar: GrammarConfig = GrammarConfig()
+    router: RouterConfig = RouterConfig()
     deploy: DeployConfig = DeployConfig()
     plugins: dict[str, dict[str, Any]] = {}  # plugin name → its settings (register(settings))
     log_level: str = "info"

@@ -13,6 +13,7 @@ GROUP_TITLES = {
     "server": "HTTP and request limits",
     "grammar": "structured output and reasoning",
     "lora": "LoRA adapters",
+    "router": "data-parallel replicas and routing",
     "deploy": "deployment and liveness",
 }
 
@@ -76,6 +77,13 @@ FLAG_HELP: dict[str, str] = {
     "restart_backoff_s": "wait before restarting a role that died within 10 s of its start, doubling each time up to 10 s",
     "keys_dir": "CurveZMQ keys (actorlm keys DIR) for every tcp socket",
     "insecure": "allow tcp beyond loopback without keys: anyone reaching a port commands",
+    "worker_cpus": "CPUs each replica's worker is pinned to, one per replica: 0 1, or 0-3 4-7",
+    # data-parallel replicas and routing
+    "dp_size": "data-parallel replicas, each its own scheduler, cache manager and worker",
+    "router_policy": "which replica takes a request: cache_aware, round_robin, least_load, a plugin's",
+    "router_cache_threshold": "cache_aware: the longest cached prefix wins from this share of the prompt",
+    "router_balance_abs": "cache_aware: loads are unbalanced when they differ by more than this ...",
+    "router_balance_rel": "... and the busiest replica has more than this times the idlest's",
     # structured output and reasoning
     "grammar_backend": "grammar backend: xgrammar, llguidance, none, or a plugin's",
     "grammar_fallback": "where a constraint the backend cannot compile goes: auto, none, a name",

@@ -16,8 +16,10 @@ A deployment file (TOML) places each actor for a disaggregated start::
     address = "tcp://10.0.0.2:7002"
     # ... cache_manager, worker
 
-Other top-level tables ([scheduler], [cache], [server], [deploy]) set the
-same fields as the CLI flags.
+Other top-level tables ([scheduler], [cache], [server], [router], [deploy]) set the
+same fields as the CLI flags. Data-parallel replicas (``[router] dp_size = 2``) name
+their members' tables ``[actors.scheduler.1]`` (TOML nests them; they are read as the
+role ``scheduler.1``), and so on for ``cache_manager.1`` and ``worker.1``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .config import (
     GrammarConfig,
     LoraConfig,
     ModelConfig,
+    RouterConfig,
     SchedulerConfig,
     ServerConfig,
 )
@@ -70,6 +73,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "lora": LoraConfig,
     "server": ServerConfig,
     "grammar": GrammarConfig,
+    "router": RouterConfig,
     "deploy": DeployConfig,
 }
 
@@ -174,6 +178,41 @@ def _validate_grammar(config: EngineConfig) -> None:
         )
 
     _validate_lora(config.lora)
+    _validate_router(config)
+
+
+def _validate_router(config: EngineConfig) -> None:
+    import actorlm.actors.router.policies  # noqa: F401  (registers the built-ins)
+
+    from .actors.replicas import parse_cpus
+    from .extensions.points import ROUTER_POLICIES
+
+    r = config.router
+    if r.dp_size < 1:
+        raise ConfigError(f"--dp-size {r.dp_size} is out of range (1 or more)")
+    if r.router_policy and r.router_policy not in ROUTER_POLICIES:
+        known = ", ".join(ROUTER_POLICIES.names())
+        raise ConfigError(
+            f"unknown router policy {r.router_policy!r} (--router-policy); known: {known}"
+        )
+    if not 0.0 <= r.router_cache_threshold <= 1.0 or r.router_balance_abs < 0:
+        raise ConfigError("--router-cache-threshold must be in [0, 1], --router-balance-abs >= 0")
+    if r.router_balance_rel < 1.0:
+        raise ConfigError(f"--router-balance-rel {r.router_balance_rel} must be >= 1")
+    if r.dp_size > 1 and config.lora.enabled:
+        raise ConfigError(
+            "--dp-size > 1 does not serve LoRA adapters yet (one lora_loader per worker)"
+        )
+    cpus = config.deploy.worker_cpus
+    if cpus and len(cpus) != r.dp_size:
+        raise ConfigError(
+            f"--worker-cpus names {len(cpus)} CPU sets for --dp-size {r.dp_size}: give one per replica"
+        )
+    for spec in cpus:
+        try:
+            parse_cpus(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--worker-cpus: {exc}") from None
 
 
 def _validate_lora(lora: LoraConfig) -> None:
@@ -277,6 +316,24 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     return msgspec.structs.replace(config, model=model)
 
 
+def _flat_replicas(actors: Any) -> Any:
+    """``{"scheduler": {"address": a, "1": {"address": b}}}`` (what TOML makes of
+    ``[actors.scheduler.1]``) → ``{"scheduler": {...}, "scheduler.1": {...}}``."""
+    if not isinstance(actors, dict):
+        return actors
+    flat: dict[str, Any] = {}
+    for role, spec in actors.items():
+        if isinstance(spec, dict):
+            nested = {k: v for k, v in spec.items() if k.isdigit() and isinstance(v, dict)}
+            for index, sub in nested.items():
+                flat[f"{role}.{index}"] = sub
+            spec = {k: v for k, v in spec.items() if k not in nested}
+            if not spec and nested:
+                continue  # only replicas of it are placed here
+        flat[role] = spec
+    return flat
+
+
 class Deployment(msgspec.Struct, frozen=True, kw_only=True):
     config: EngineConfig
     addresses: dict[str, str]  # role → address peers use
@@ -290,7 +347,7 @@ def load_deployment(path: str | Path, base: EngineConfig | None = None) -> Deplo
         raise ConfigError(f"cannot read the deployment file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    actors = data.pop("actors", {})
+    actors = _flat_replicas(data.pop("actors", {}))
     config = base or EngineConfig()
     plugins = data.pop("plugins", {})
     if not isinstance(plugins, dict) or not all(isinstance(v, dict) for v in plugins.values()):

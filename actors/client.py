@@ -34,6 +34,7 @@ from ..messages.lora import (
     LoraAdapterList,
     UnloadLoraAdapter,
 )
+from .replicas import replica_members, replica_role
 from .runtime import Actor, ActorError, handles
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "ClientActor",
     "EngineClient",
     "RequestFailed",
+    "blocking_down",
     "pipeline_roles",
 ]
 
@@ -50,8 +52,23 @@ LORA_ROLE = "lora_loader"
 
 
 def pipeline_roles(config: EngineConfig) -> tuple[str, ...]:
-    """The actors ``config`` runs: the pipeline, and the lora_loader when LoRA is on."""
-    return (*PIPELINE_ROLES, LORA_ROLE) if config.lora.enabled else PIPELINE_ROLES
+    """The actors ``config`` runs: the pipeline (each data-parallel replica's scheduler,
+    cache manager and worker), and the lora_loader when LoRA is on."""
+    roles: tuple[str, ...] = PIPELINE_ROLES
+    if config.router.dp_size > 1:
+        extra = range(1, config.router.dp_size)
+        roles = (*PIPELINE_ROLES, *(r for i in extra for r in replica_members(i)))
+    return (*roles, LORA_ROLE) if config.lora.enabled else roles
+
+
+def blocking_down(config: EngineConfig, down: set[str]) -> list[str]:
+    """The roles down now that stop every request: any pipeline actor of the single
+    pipeline; with replicas, the tokenizer, or some member of every replica."""
+    if config.router.dp_size <= 1:
+        return sorted(set(PIPELINE_ROLES) & down)
+    replicas = [set(replica_members(i)) & down for i in range(config.router.dp_size)]
+    lost = sorted(set().union(*replicas)) if all(replicas) else []
+    return sorted({"tokenizer"} & down) + lost
 
 
 class RequestFailed(Exception):
@@ -92,7 +109,8 @@ class ClientActor(Actor):
     async def on_peer_down(self, role: str, reason: str) -> None:
         # The tokenizer and the scheduler hold every stream; a lost worker or cache
         # manager is the scheduler's to handle (it fails or recomputes what ran there).
-        if role in ("tokenizer", "scheduler"):
+        # With replicas a scheduler holds only its own: the tokenizer ends those.
+        if role == "tokenizer" or (role == "scheduler" and self.config.router.dp_size <= 1):
             self.fail_all(f"the {role} actor died ({reason}); request aborted")
 
     async def on_error(self, env: Envelope, error: ErrorReply) -> None:
@@ -162,8 +180,13 @@ class EngineClient:
                     await self.actor.send(role, AbortRequest(rid=rid))
 
     async def flush_cache(self) -> bool:
-        reply = await self.actor.request("cache_manager", FlushCache(), timeout=30)
-        return bool(getattr(reply, "ok", False))
+        """Flush every replica's prefix cache; True if each was flushed whole."""
+        ok = True
+        for i in range(max(1, self.actor.config.router.dp_size)):
+            role = replica_role("cache_manager", i)
+            reply = await self.actor.request(role, FlushCache(), timeout=30)
+            ok = ok and bool(getattr(reply, "ok", False))
+        return ok
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         """Every pipeline actor's stats (an actor that is down is reported as such)."""

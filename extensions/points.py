@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the interfaces, for type checkers; at run time they load by
     from ..actors.cache.eviction import EvictionStrategy
     from ..actors.cache.hicache import HiCacheStorage
     from ..actors.lora_loader.eviction import EvictionPolicy
+    from ..actors.router.policies import RouterPolicy
     from ..actors.tokenizer.reasoning import ReasoningFormat
     from ..gpu.attention.base import AttentionBackend
     from ..gpu.grammar.base import BaseGrammarBackend
@@ -41,6 +42,7 @@ __all__ = [
     "PLATFORMS",
     "QUANTIZATION_METHODS",
     "REASONING_PARSERS",
+    "ROUTER_POLICIES",
     "WEIGHT_LOADERS",
     "load_builtins",
 ]
@@ -83,6 +85,10 @@ LORA_EVICTION_POLICIES: Registry[type[EvictionPolicy]] = get_registry(
     "--lora-eviction-policy",
     interface="actorlm.actors.lora_loader.eviction:EvictionPolicy",
 )
+# Which data-parallel replica takes a request (in the tokenizer's router).
+ROUTER_POLICIES: Registry[type[RouterPolicy]] = get_registry(
+    "router policy", "--router-policy", interface="actorlm.actors.router.policies:RouterPolicy"
+)
 LOGIT_PROCESSORS: Registry[type[LogitProcessor]] = get_registry(
     "logit processor",
     "sampling_params.logit_processors",
@@ -108,6 +114,7 @@ BUILTIN_MODULES = (
     "actorlm.actors.cache.hicache",
     "actorlm.actors.tokenizer.reasoning",
     "actorlm.actors.lora_loader.eviction",
+    "actorlm.actors.router.policies",
     "actorlm.actors.roles",
 )
 

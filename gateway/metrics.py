@@ -119,8 +119,8 @@ class GatewayMetrics:
         """Set the gauges from actor stats; a missing or odd value leaves its gauge alone."""
         self.in_flight.set(in_flight)
         self.ready.set(1 if ready else 0)
-        sched = stats.get("scheduler", {})
-        cache = stats.get("cache_manager", {})
+        sched = _replicas_summed(stats, "scheduler")
+        cache = _replicas_summed(stats, "cache_manager")
         for gauge, source, key in (
             (self.running, sched, "running"),
             (self.queued, sched, "queued"),
@@ -142,6 +142,23 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _replicas_summed(stats: dict[str, dict[str, Any]], role: str) -> dict[str, Any]:
+    """``role``'s stats, summed over its data-parallel replicas (``role.1``, ...): counts
+    add up; the prefix hit rate is recomputed from the summed tokens."""
+    parts = [v for r, v in stats.items() if r == role or r.startswith(f"{role}.")]
+    if len(parts) <= 1:
+        return parts[0] if parts else {}
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if _number(value) is not None:
+                out[key] = out.get(key, 0) + value
+    asked = _number(out.get("prefix_requested_tokens"))
+    if asked:
+        out["prefix_hit_rate"] = out.get("prefix_matched_tokens", 0) / asked
+    return out
 
 
 def _number(value: Any) -> float | None:

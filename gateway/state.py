@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..actors.client import PIPELINE_ROLES, EngineClient, pipeline_roles
+from ..actors.client import EngineClient, blocking_down, pipeline_roles
 from ..config import EngineConfig
 from ..messages.generate import GenerateRequest
 from .errors import ApiError
@@ -102,7 +102,7 @@ class GatewayState:
         if self.client is None or not self.ready:
             why = self.startup_error or "the model is still loading"
             raise ApiError(503, why, code="not_ready", headers={"Retry-After": "2"})
-        down = sorted(set(PIPELINE_ROLES) & self.client.actor.runtime.down)
+        down = blocking_down(self.config, self.client.actor.runtime.down)
         if down:  # the lora_loader is not among them: base requests need it not
             raise ApiError(
                 503,

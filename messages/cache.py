@@ -17,6 +17,7 @@ from .step import PageIO
 __all__ = [
     "AdmitOp",
     "Admitted",
+    "CacheEvents",
     "CacheStep",
     "CacheStepResult",
     "CommitOp",
@@ -80,3 +81,17 @@ class CacheStepResult(Message, frozen=True, kw_only=True):
     # HiCache storage tier: pages the worker saves, and pages it loads for the admitted.
     store_pages: list[PageIO] = []
     load_pages: list[PageIO] = []
+
+
+class CacheEvents(Message, frozen=True, kw_only=True):
+    """cache_manager → tokenizer (its router), with data-parallel replicas only: the
+    blocks that entered and left this replica's prefix tree since the last one, sent
+    after the step (or flush) that changed it. A block is one full page, named by its
+    chained hash (``actors.cache.blocks``: blake2b-64 over the hash of the page before
+    it, then the page's token ids as little-endian int64; the first page's parent is 0),
+    so one hash names a whole prefix. ``reset``: every block was dropped first."""
+
+    TAG: ClassVar[str] = "cache.events"
+    stored: list[int] = []
+    removed: list[int] = []
+    reset: bool = False

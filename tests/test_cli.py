@@ -40,6 +40,12 @@ def one_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["serve", "--hicache-storage-backend", "file"], "needs --hicache-storage-dir"),
         (["serve", "--grammar-backend", "nope"], "unknown grammar backend 'nope'"),
         (["serve", "--reasoning-parser", "nope"], "unknown reasoning parser 'nope'"),
+        (["serve", "--router-policy", "nope"], "unknown router policy 'nope'"),
+        (["serve", "--dp-size", "0"], "--dp-size 0 is out of range"),
+        (["serve", "--dp-size", "2", "--worker-cpus", "0"], "give one per replica"),
+        (["serve", "--dp-size", "2", "--worker-cpus", "0", "x"], "bad CPU list 'x'"),
+        (["serve", "--dp-size", "2", "--enable-lora"], "does not serve LoRA adapters yet"),
+        (["serve", "--router-balance-rel", "0.5"], "must be >= 1"),
         (["actor", "worker"], "give --deploy FILE"),
         (["actor", "worker", "--bind", "tcp://0.0.0.0:1"], "refusing to bind tcp://0.0.0.0:1"),
     ],
@@ -62,6 +68,28 @@ def test_bad_deployment_files(tmp_path: Path) -> None:
     assert "cannot read the deployment file" in one_error(
         actorlm("serve", "--deploy", str(missing))
     )
+
+
+def test_a_deployment_file_places_replicas(tmp_path: Path) -> None:
+    from actorlm.launch import load_deployment
+
+    path = tmp_path / "dp.toml"
+    path.write_text(
+        "[router]\ndp_size = 2\nrouter_policy = 'round_robin'\n"
+        "[deploy]\nworker_cpus = ['0', '1']\n"
+        "[actors.scheduler]\naddress = 'tcp://127.0.0.1:7001'\n"
+        "[actors.scheduler.1]\naddress = 'tcp://127.0.0.1:7002'\n"
+        "[actors.worker.1]\naddress = 'tcp://127.0.0.1:7003'\nbind = 'tcp://127.0.0.1:7004'\n"
+    )
+    dep = load_deployment(path)
+    assert dep.config.router.dp_size == 2 and dep.config.router.router_policy == "round_robin"
+    assert dep.config.deploy.worker_cpus == ["0", "1"]
+    assert dep.addresses == {
+        "scheduler": "tcp://127.0.0.1:7001",
+        "scheduler.1": "tcp://127.0.0.1:7002",
+        "worker.1": "tcp://127.0.0.1:7003",
+    }
+    assert dep.binds["worker.1"] == "tcp://127.0.0.1:7004"
 
 
 def test_an_unknown_platform_fails_plugins_and_serve() -> None:

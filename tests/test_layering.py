@@ -24,6 +24,7 @@ ENTRY_POINTS = {
 PURE_CORES = {
     "actorlm.actors.scheduler.policy",
     "actorlm.actors.cache.allocator",
+    "actorlm.actors.cache.blocks",
     "actorlm.actors.cache.eviction",
     "actorlm.actors.cache.hicache",
     "actorlm.actors.cache.kv_cache",
@@ -34,6 +35,9 @@ PURE_CORES = {
     "actorlm.actors.lora_loader.registry",
     "actorlm.actors.lora_loader.slots",
     "actorlm.actors.scheduler.adapters",
+    "actorlm.actors.replicas",
+    "actorlm.actors.router.core",
+    "actorlm.actors.router.policies",
     "actorlm.actors.tokenizer.detokenize",
     "actorlm.actors.tokenizer.tokenization",
 }

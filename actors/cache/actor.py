@@ -17,6 +17,10 @@ Each ``CacheStep`` names the pool epoch its pages belong to; the scheduler bumps
 when the KV pool's contents are lost (a worker or cache manager died or restarted).
 A new epoch drops every page mapping first, so no admission is ever served from KV
 that died with a worker.
+
+With data-parallel replicas (``--dp-size`` > 1) it also tells the tokenizer's router,
+after each step or flush that changed its prefix tree, which blocks entered and left it
+(one ``CacheEvents``, netted), so the router routes by what each cache really holds.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import logging
 from typing import Any, cast
 
 from ...extensions.points import HICACHE_STORAGE
-from ...messages.cache import CacheStep, CacheStepResult
+from ...messages.cache import CacheEvents, CacheStep, CacheStepResult
 from ...messages.control import Ack, FlushCache
 from ...messages.envelope import Envelope
-from ..runtime import Actor, handles
+from ..runtime import Actor, ActorError, handles
+from .blocks import BlockEvents
 from .hicache import HiCacheStorage, storage_model_id
 from .kv_cache import KVCacheManager
 from .step import HiCacheTier, apply_step
@@ -42,6 +47,8 @@ class CacheManagerActor(Actor):
     role = "cache_manager"
 
     async def on_start(self) -> None:
+        # Only a router reads them: one replica records none.
+        self.events = BlockEvents() if self.config.router.dp_size > 1 else None
         self.kv = self._new_cache()
         self.storage: HiCacheStorage | None = open_storage(self.config)
         self.tier: HiCacheTier | None = None
@@ -61,6 +68,7 @@ class CacheManagerActor(Actor):
             model.page_size,
             enable_prefix_cache=cache.enable_prefix_cache,
             policy=cache.eviction_policy,
+            events=self.events,
         )
 
     def ready_info(self) -> dict[str, Any]:
@@ -91,6 +99,7 @@ class CacheManagerActor(Actor):
     @handles(FlushCache)
     async def on_flush(self, msg: FlushCache, env: Envelope) -> Ack:
         result = self.kv.flush()
+        await self._send_events()
         if result.pages_in_use:
             return Ack(
                 ok=False,
@@ -105,12 +114,33 @@ class CacheManagerActor(Actor):
                 # The KV tensors these pages named are gone: every mapping is garbage now.
                 log.warning("a new KV pool epoch: dropping every page mapping")
                 self.resets += 1
+            if self.events is not None:
+                self.events.clear_all()
             self.kv = self._new_cache()
             self.pool_epoch = msg.pool_epoch
         outcome = apply_step(self.kv, msg, self.tier)
         self.prefix_waits += outcome.prefix_waits
         self.storage_hits += outcome.storage_hit_pages
+        await self._send_events()  # before the reply: the router knows before any client
         return outcome.result
+
+    async def on_peer_up(self, role: str) -> None:
+        if role == "tokenizer" and getattr(self, "events", None) is not None:
+            # A tokenizer heard from anew (a restart, or the first time): its router
+            # starts from nothing, so it gets this whole cache first.
+            assert self.events is not None
+            self.events.clear_all()
+            self.events.stored(self.kv.tree.cached_blocks())
+            await self._send_events()
+
+    async def _send_events(self) -> None:
+        if not self.events:
+            return
+        reset, stored, removed = self.events.take()
+        try:
+            await self.send("tokenizer", CacheEvents(stored=stored, removed=removed, reset=reset))
+        except ActorError as exc:  # its successor starts from empty views: nothing is lost
+            log.warning("cannot tell the router about this cache: %s", exc)
 
 
 def open_storage(config: Any) -> HiCacheStorage | None:

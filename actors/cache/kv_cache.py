@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .allocator import PageAllocator
+from .blocks import BlockEvents
 from .eviction import EvictionStrategy, make_strategy
 from .radix import InsertResult, RadixTree, TreeNode
 
@@ -65,11 +66,12 @@ class KVCacheManager:
         enable_prefix_cache: bool = True,
         policy: str | EvictionStrategy = "lru",
         wait_min_tokens: int = 32,
+        events: BlockEvents | None = None,
     ) -> None:
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
-        self.tree = RadixTree(page_size, make_strategy(policy))
+        self.tree = RadixTree(page_size, make_strategy(policy), events)
         self._requests: dict[str, _Request] = {}
         # Prompts admitted but not yet in the tree (no cache_prefix yet), by their first
         # page of tokens: what ``waits_for`` compares a new prompt with.

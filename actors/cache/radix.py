@@ -18,6 +18,10 @@ adapter's id; "" for the base model) has a root of its own, so the same tokens
 under two adapters are two entries and a match never crosses from one to the other
 (their KV differs). Eviction ranks the leaves of every namespace together. A root
 has no parent; an empty adapter root is dropped when its last leaf is.
+
+Given ``events`` (data-parallel replicas: the router learns each cache from them), the
+base model's nodes also carry each page's chained block hash (``blocks``), and every
+page that enters or leaves the tree is recorded there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+from .blocks import ROOT_HASH, BlockEvents, block_hashes
 from .eviction import EvictionStrategy, LRUStrategy
 
 __all__ = ["InsertResult", "PrefixMatch", "RadixTree", "TreeNode"]
@@ -38,6 +43,7 @@ class TreeNode:
     __slots__ = (
         "children",
         "creation_time",
+        "hashes",
         "hit_count",
         "id",
         "key",
@@ -66,6 +72,7 @@ class TreeNode:
         self.creation_time = now
         self.hit_count = 0
         self.priority = 0
+        self.hashes: list[int] = []  # per page, when the tree records block events
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, pages={self.pages}, lock_ref={self.lock_ref})"
@@ -86,11 +93,17 @@ class InsertResult(NamedTuple):
 class RadixTree:
     """Page-granular radix tree with ref counts and pluggable eviction."""
 
-    def __init__(self, page_size: int, strategy: EvictionStrategy | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        strategy: EvictionStrategy | None = None,
+        events: BlockEvents | None = None,
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.strategy = strategy or LRUStrategy()
+        self.events = events
         self._clock = itertools.count(1)  # logical time: deterministic, unlike the wall clock
         self._ids = itertools.count()
         self.root = TreeNode(next(self._ids), (), [], None, 0)  # the base model's namespace
@@ -200,6 +213,10 @@ class RadixTree:
                     next(self._ids), tokens[pos:], list(page_ids[pos // ps :]), node, now
                 )
                 node.children[first] = child
+                if self.events is not None and not namespace:
+                    parent = node.hashes[-1] if node.hashes else ROOT_HASH
+                    child.hashes = block_hashes(child.key, ps, parent)
+                    self.events.stored(child.hashes)
                 self.num_cached_pages += len(child.pages)
                 self.num_evictable_pages += len(child.pages)
                 k = len(child.pages)
@@ -288,6 +305,10 @@ class RadixTree:
     def cached_pages(self) -> list[int]:
         return [p for n in self._nodes() for p in n.pages]
 
+    def cached_blocks(self) -> list[int]:
+        """Every base-model page's block hash (with ``events``; else none)."""
+        return [h for n in self._nodes() for h in n.hashes]
+
     def check(self) -> None:
         """Raise AssertionError if the tree's bookkeeping is inconsistent (tests)."""
         cached = evictable = 0
@@ -340,6 +361,8 @@ class RadixTree:
         prefix.hit_count = child.hit_count
         prefix.priority = child.priority
         prefix.lock_ref = child.lock_ref
+        if child.hashes:
+            prefix.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
         child.key = child.key[k * ps :]
         child.pages = child.pages[k:]
         child.parent = prefix
@@ -356,4 +379,6 @@ class RadixTree:
             self._roots = {ns: r for ns, r in self._roots.items() if r is not parent}
         self.num_cached_pages -= len(node.pages)
         self.num_evictable_pages -= len(node.pages)
+        if self.events is not None and node.hashes:
+            self.events.removed(node.hashes)
         return node.pages

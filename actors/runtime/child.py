@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from typing import cast
 
 import msgspec
 
@@ -27,14 +28,19 @@ ACTOR_ROLES: Registry[type[Actor]] = get_registry(
 
 
 def build_actor(spec: str, config: EngineConfig) -> Actor:
-    """``spec`` is a registered role name or a ``"module:Class"`` path."""
+    """``spec`` is a registered role name or a ``"module:Class"`` path. A replica's
+    name (``scheduler.1``, see ``actors.replicas``) builds its role's actor under it."""
     if ":" in spec:
-        cls = import_object(spec)
-    else:
-        from .. import roles  # noqa: F401  (registers the built-in roles)
+        return cast(type[Actor], import_object(spec))(config)
+    from .. import roles  # noqa: F401  (registers the built-in roles)
+    from ..replicas import base_role
 
-        cls = ACTOR_ROLES.get(spec)
-    return cls(config)
+    base = spec if spec in ACTOR_ROLES else base_role(spec)
+    actor = ACTOR_ROLES.get(base)(config)
+    if base != spec:
+        # the instance's name, not its class's
+        actor.role = spec  # type: ignore[misc]
+    return actor
 
 
 async def run_actor(

@@ -51,6 +51,7 @@ from ...messages.control import (
 )
 from ...messages.envelope import Codec, DecodeError, Envelope, Kind
 from ...messages.errors import CallErrorCode
+from ..replicas import base_role
 from .actor import Actor, handles
 from .calls import ActorDied, ActorError, Calls, RemoteError, RequestTimeout, error_from_reply
 from .keys import key_name
@@ -132,7 +133,8 @@ class ActorRuntime:
         self.book[self.role] = address
         self.codec = Codec(self.options.max_message_bytes)
         chain = self.options.interceptors
-        self.interceptors = chain if chain is not None else InterceptorChain(self.role)
+        # A replica's member (scheduler.1) runs its role's interceptors.
+        self.interceptors = chain if chain is not None else InterceptorChain(base_role(self.role))
         # A chain's members are fixed when it is built: with none, skip it outright.
         self._intercepting = bool(self.interceptors)
         self.incarnation = new_incarnation()

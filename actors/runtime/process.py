@@ -29,8 +29,10 @@ class PluginLoadError(ValueError):
 def prepare_process(config: EngineConfig, role: str) -> None:
     """Logging, then plugins (``register()`` runs once in every actor process, with its
     settings); any plugin that failed to load stops the start."""
+    from ..replicas import base_role
+
     setup_logging(config.log_level)
-    if role != "worker":
+    if base_role(role) != "worker":
         # Only the worker computes; elsewhere torch (if imported) and HF tokenizers
         # must not spin threads that steal cores from the forward pass.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -43,6 +43,7 @@ from ...messages.generate import (
 from ...messages.grammar import CompileGrammar, GrammarCompiled
 from ...messages.lora import LoraSlotsChanged, LoraStepResult
 from ...messages.step import ForwardBatch, StepResult
+from ..replicas import peer_of
 from ..runtime import Actor, ActorError, handles
 from .adapters import AdapterGate
 from .policy import BatchPlanner, Refusal
@@ -80,6 +81,19 @@ class SchedulerActor(Actor):
         self.gate = AdapterGate() if cfg.lora.enabled else None
         self.spawn(self._loop(), name="scheduler-loop")
 
+    # This replica's partners (``actors.replicas``): scheduler.1 steps worker.1 alone.
+    @property
+    def worker(self) -> str:
+        return peer_of(self.role, "worker")
+
+    @property
+    def cache_manager(self) -> str:
+        return peer_of(self.role, "cache_manager")
+
+    @property
+    def pool_roles(self) -> set[str]:
+        return {self.worker, self.cache_manager}
+
     def stats(self) -> dict[str, Any]:
         lora = {}
         if self.gate is not None:
@@ -112,7 +126,7 @@ class SchedulerActor(Actor):
 
     async def _add(self, msg: TokenizedRequest, sender: str) -> None:
         refused = self.planner.add(msg, sender)
-        if refused is None and {"worker", "cache_manager"} & self.runtime.down:
+        if refused is None and self.pool_roles & self.runtime.down:
             self.planner.abort(msg.rid, notify=False)
             refused = Refusal(
                 "the engine is restarting a failed actor; try again shortly",
@@ -137,7 +151,7 @@ class SchedulerActor(Actor):
         )
         try:
             reply = await self.request(
-                "worker", CompileGrammar(rid=rid, kind=kind, value=value), timeout=timeout
+                self.worker, CompileGrammar(rid=rid, kind=kind, value=value), timeout=timeout
             )
         except ActorError as exc:
             self.planner.grammar_failed(
@@ -190,7 +204,7 @@ class SchedulerActor(Actor):
         if role == "lora_loader" and self.gate is not None:
             await self._adapters_lost(f"the lora_loader actor died ({reason})")
             return
-        if role in ("worker", "cache_manager"):
+        if role in self.pool_roles:
             if self.gate is not None:  # its slots are gone: none is ready until reloaded
                 self.planner.ready_adapters = self.gate.ready = set()
                 self.gate.dirty = True
@@ -215,7 +229,7 @@ class SchedulerActor(Actor):
             self._wake.set()
 
     async def on_peer_up(self, role: str) -> None:
-        if role in ("worker", "cache_manager", "lora_loader"):
+        if role in self.pool_roles or role == "lora_loader":
             if self.gate is not None:
                 self.gate.dirty = True
             self._wake.set()  # requeued requests can run again
@@ -255,7 +269,7 @@ class SchedulerActor(Actor):
             await self._emit([self._error(m, why, code) for m, _ in gate.failed()])
             return
         assert isinstance(result, LoraStepResult)
-        known = result.worker_incarnation in (0, self.runtime.peer_incarnation("worker"))
+        known = result.worker_incarnation in (0, self.runtime.peer_incarnation(self.worker))
         acquired, refused = gate.apply(result, worker_known=known)
         planner.ready_adapters = gate.ready
         await self._emit([self._error(m, no.message, no.code) for (m, _), no in refused])
@@ -267,7 +281,7 @@ class SchedulerActor(Actor):
         return gate is not None and bool(gate.pending or gate.releases or gate.dirty)
 
     def _pool_down(self) -> bool:
-        return bool({"worker", "cache_manager"} & self.runtime.down)
+        return bool(self.pool_roles & self.runtime.down)
 
     # -- the loop ---------------------------------------------------------------
     async def _emit(self, deltas: list[TokenDelta]) -> None:
@@ -313,7 +327,7 @@ class SchedulerActor(Actor):
 
     def _forward(self, batch: ForwardBatch) -> asyncio.Task[Message]:
         timeout = self.config.scheduler.step_timeout_s
-        return asyncio.create_task(self.request("worker", batch, timeout=timeout))
+        return asyncio.create_task(self.request(self.worker, batch, timeout=timeout))
 
     def _next_batch(self) -> ForwardBatch:
         self._step_id += 1
@@ -380,7 +394,7 @@ class SchedulerActor(Actor):
             return False
         ops = msgspec.structs.replace(ops, pool_epoch=self.pool_epoch)
         try:
-            result = await self.request("cache_manager", ops)
+            result = await self.request(self.cache_manager, ops)
         except ActorError as exc:
             log.error("cache step failed: %s", exc)
             planner.fail_all(f"the cache manager failed: {exc}", code_for_status(exc.status))

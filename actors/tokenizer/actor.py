@@ -4,6 +4,12 @@ It validates requests (the first place that knows a prompt's length), renders
 chat templates, and turns each step's ``TokenBatch`` into one ``TextBatch`` per
 client with incremental text, stop strings held back and cut, and logprob
 strings. Long inputs are tokenized in a thread so the loop keeps streaming.
+
+With data-parallel replicas (``--dp-size`` > 1) its router (``actors.router``) picks
+each request's replica and sends it to that replica's scheduler; the replicas' cache
+managers tell it what their caches hold (``CacheEvents``). A replica's scheduler that
+dies ends that replica's requests alone; the router sends nothing to a replica while
+any of its members is down.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ...config import EngineConfig
+from ...messages.cache import CacheEvents
 from ...messages.control import ErrorReply, GetInfo, Info
 from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode, code_for_status
@@ -31,6 +39,8 @@ from ...messages.generate import (
     Usage,
 )
 from ...messages.sampling import SamplingParams
+from ..replicas import REPLICA_ROLES, base_role
+from ..router.core import Router
 from ..runtime import Actor, ActorError, handles
 from .detokenize import TextStream, stream_batch, token_logprobs
 from .reasoning import ReasoningFormat, ReasoningSplitter
@@ -95,6 +105,7 @@ class _Live:
     prompt_tokens: int
     logprobs: bool
     msg_id: int = 0
+    scheduler: str = "scheduler"  # the replica's scheduler computing it
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning: ReasoningSplitter | None = None  # thinking apart from the answer
@@ -112,6 +123,11 @@ class _Live:
 
 class TokenizerActor(Actor):
     role = "tokenizer"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        # Made now: replicas' liveness and cache events may come while on_start loads.
+        self.router = Router(config) if config.router.dp_size > 1 else None
 
     async def on_start(self) -> None:
         from .tokenization import load_tokenizer
@@ -148,7 +164,8 @@ class TokenizerActor(Actor):
         return Info(role=self.role, values=self.ready_info())
 
     def stats(self) -> dict[str, Any]:
-        return {"live": len(self.live), "requests": self.requests}
+        router = self.router.stats() if self.router is not None else {}
+        return {"live": len(self.live), "requests": self.requests, **router}
 
     # -- requests in ----------------------------------------------------------
     @handles(GenerateRequest)
@@ -183,11 +200,19 @@ class TokenizerActor(Actor):
             )
             return
         self.tokenizing.discard(req.rid)
+        scheduler = "scheduler"
+        if self.router is not None:
+            scheduler = self.router.route(req.rid, ids) or ""
+            if not scheduler:
+                why = "every replica has an actor down; try again shortly"
+                await self._fail(reply_to, req.rid, why, ErrorCode.UNAVAILABLE)
+                return
         self.live[req.rid] = _Live(
             reply_to,
             TextStream(self.tok, req.sampling),
             len(ids),
             req.sampling.logprobs,
+            scheduler=scheduler,
             reasoning=self._splitter(req, ids),
         )
         out = TokenizedRequest(
@@ -199,9 +224,9 @@ class TokenizerActor(Actor):
             lora_path=req.lora_path,
         )
         try:
-            msg_id = await self.send("scheduler", out)
+            msg_id = await self.send(scheduler, out)
         except ActorError as exc:
-            self.live.pop(req.rid, None)
+            self._forget(req.rid)
             await self._fail(reply_to, req.rid, str(exc), code_for_status(exc.status))
             return
         if req.rid in self.live:  # it may have finished while we were sending
@@ -317,7 +342,7 @@ class TokenizerActor(Actor):
         if msg.rid in self.tokenizing:
             self.tokenizing.discard(msg.rid)
         elif msg.rid in self.live:
-            await self.send("scheduler", msg)
+            await self.send(self.live[msg.rid].scheduler, msg)
 
     # -- tokens back ----------------------------------------------------------
     @handles(TokenBatch)
@@ -358,32 +383,58 @@ class TokenizerActor(Actor):
             )
             batches.setdefault(lv.reply_to, []).append(out)
             if reason is not None:
-                del self.live[delta.rid]
-                self.sent.pop(lv.msg_id, None)
+                self._forget(delta.rid)
                 if text.stop_string_hit and delta.finish_reason is None:
-                    await self.send("scheduler", FinishRequest(rid=delta.rid))
+                    await self.send(lv.scheduler, FinishRequest(rid=delta.rid))
         for to, deltas in batches.items():
             try:
                 await self.send(to, TextBatch(items=deltas))
             except ActorError as exc:
                 log.warning("cannot deliver to %s: %s", to, exc)
 
+    def _forget(self, rid: str) -> _Live | None:
+        """``rid`` is done here: its books go (and its replica's load with it)."""
+        live = self.live.pop(rid, None)
+        if live is not None:
+            self.sent.pop(live.msg_id, None)
+        if self.router is not None:
+            self.router.finish(rid)
+        return live
+
+    @handles(CacheEvents)
+    async def on_cache_events(self, msg: CacheEvents, env: Envelope) -> None:
+        if self.router is not None:
+            self.router.on_events(env.sender, msg)
+
     # -- failures -------------------------------------------------------------
     async def on_error(self, env: Envelope, error: ErrorReply) -> None:
         rid = self.sent.pop(env.reply_to, None)
-        live = self.live.pop(rid, None) if rid else None
+        live = self._forget(rid) if rid else None
         if live is not None and rid is not None:
             await self._fail(live.reply_to, rid, error.message, code_for_status(error.status))
 
+    async def on_peer_up(self, role: str) -> None:
+        if self.router is not None:
+            self.router.member_up(role)
+
     async def on_peer_down(self, role: str, reason: str) -> None:
+        if self.router is not None and base_role(role) in REPLICA_ROLES:
+            for rid in self.router.member_down(role):  # what that replica's scheduler held
+                live = self._forget(rid)
+                if live is not None:
+                    why = f"the {role} actor died ({reason})"
+                    await self._fail(live.reply_to, rid, why, ErrorCode.UNAVAILABLE)
+            return
         if role != "scheduler":
             # A client is gone: nobody reads its outputs, so stop computing them.
             orphans = [rid for rid, live in self.live.items() if live.reply_to == role]
             for rid in orphans:
-                live = self.live.pop(rid)
-                self.sent.pop(live.msg_id, None)
+                live = self.live[rid]
+                self._forget(rid)
                 try:
-                    await self.send("scheduler", AbortRequest(rid=rid, reason=FinishReason.ABORT))
+                    await self.send(
+                        live.scheduler, AbortRequest(rid=rid, reason=FinishReason.ABORT)
+                    )
                 except ActorError as exc:
                     log.warning("cannot abort %s: %s", rid, exc)
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from ...messages.errors import ErrorCode
 from ...messages.grammar import CompileGrammar, GrammarCompiled
 from ...messages.lora import LoadLoraSlot
 from ...messages.step import ForwardBatch, PageIO, SeqError, StepResult
+from ..replicas import parse_cpus, peer_of, replica_index
 from ..runtime import RESTARTED, Actor, handles
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ class WorkerActor(Actor):
         from ...gpu.runner import ModelRunner
         from ..cache.actor import open_storage
 
+        cpus = self.config.deploy.worker_cpus
+        if cpus:  # before the runner sizes its threads by the CPUs this process may use
+            os.sched_setaffinity(0, parse_cpus(cpus[replica_index(self.role) % len(cpus)]))
         self.runner = await self.run_blocking(ModelRunner, self.config.model)
         self.grammars = GrammarManager(self.config.grammar, self._grammar_setup)
         self.runner.grammars = self.grammars
@@ -162,7 +167,7 @@ class WorkerActor(Actor):
         return lost
 
     async def on_peer_down(self, role: str, reason: str) -> None:
-        if role == "scheduler" and reason == RESTARTED:
+        if role == peer_of(self.role, "scheduler") and reason == RESTARTED:
             # Its requests died with it: their sampling state here is garbage.
             async with self._lock:
                 self.runner.release_all()

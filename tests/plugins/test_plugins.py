@@ -341,6 +341,7 @@ def test_actorlm_plugins_lists_plugins_platform_entries_hooks_and_interceptors(
         "example_recording",
         "example_force_token",
         "example_recording_grammar",
+        "example_last_replica",
     ):
         assert f"{entry} [example]" in lines, entry
     assert "xgrammar [builtin]" in lines and "llguidance [builtin]" in lines

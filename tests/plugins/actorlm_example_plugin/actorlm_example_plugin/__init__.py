@@ -17,6 +17,7 @@ from actorlm.extensions.points import (
     LOGIT_PROCESSORS,
     LORA_EVICTION_POLICIES,
     MODELS,
+    ROUTER_POLICIES,
     WEIGHT_LOADERS,
 )
 from actorlm.extensions.settings import PluginSettings
@@ -82,4 +83,9 @@ def register(settings: PluginSettings) -> None:
         "example_recording_grammar",
         f"{_PKG}.grammar:RecordingGrammarBackend",
         help="xgrammar, recording each compile",
+    )
+    ROUTER_POLICIES.register(
+        "example_last_replica",
+        f"{_PKG}.router:LastReplica",
+        help="every request to the last replica up",
     )

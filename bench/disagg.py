@@ -1,0 +1,225 @@
+"""Data-parallel replicas behind the router, per core: one replica against two.
+
+Each setup is an ``actorlm serve`` of the same model with every replica's worker pinned
+to a core of its own (``--worker-cpus``), driven with the same seeded shared-prefix
+workload (``bench/workloads.py``: groups of requests sharing a long system prompt) at
+one concurrency:
+
+- ``one``: one replica, its worker on the first core;
+- ``cache_aware``: two replicas (first and second core) behind the cache-aware router;
+- ``round_robin``: the same two replicas, requests dealt in turn.
+
+The cache hit rate is the server's: prompt tokens served from a replica's prefix cache
+over prompt tokens asked, summed over replicas, for the measured requests only (the
+caches are flushed after the warm-up). Prefill/decode disaggregation is not built yet:
+this measures the data-parallel half of ``bench/disagg.py``'s brief.
+
+    flock /tmp/cpu.lock python bench/disagg.py --num-prompts 48 --concurrency 8
+
+Writes ``--out`` (JSON; default ``bench/results/disagg-dp.json``) and the Markdown
+table beside it (``.md``, also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/disagg.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from bench import machine, peers  # noqa: E402
+from bench.processes import EngineProcess, free_port  # noqa: E402
+from bench.serving_client import run_level, send_one, wait_ready  # noqa: E402
+from bench.serving_metrics import summarize  # noqa: E402
+from bench.workloads import (  # noqa: E402
+    BenchRequest,
+    WorkloadParams,
+    build_workload,
+    load_tokenizer,
+    parse_range,
+)
+
+__all__ = ["SETUPS", "hit_rate", "main", "parse_args"]
+
+# name → (replicas, router policy)
+SETUPS: dict[str, tuple[int, str]] = {
+    "one": (1, ""),
+    "cache_aware": (2, "cache_aware"),
+    "round_robin": (2, "round_robin"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="GGUF or HF folder (default: embedded)")
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"of {', '.join(SETUPS)}")
+    p.add_argument("--cpus", default="0,1", help="the cores the replicas' workers take, in order")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--num-groups", type=int, default=4, help="distinct shared system prompts")
+    p.add_argument("--system-len", type=int, default=512, help="tokens of each system prompt")
+    p.add_argument("--question-len", default="32:64")
+    p.add_argument("--output-len", default="32")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "disagg-dp.json")
+    return p.parse_args(argv)
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return dict(json.loads(r.read()))
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return dict(json.loads(r.read()))
+
+
+def cache_counts(stats: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """(matched, requested) prompt tokens over every replica's cache manager."""
+    roles = [r for r in stats if r.split(".")[0] == "cache_manager"]
+    matched = sum(int(stats[r].get("prefix_matched_tokens", 0)) for r in roles)
+    requested = sum(int(stats[r].get("prefix_requested_tokens", 0)) for r in roles)
+    return matched, requested
+
+
+def hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float:
+    asked = after[1] - before[1]
+    return (after[0] - before[0]) / asked if asked else 0.0
+
+
+def run_setup(
+    name: str, args: argparse.Namespace, model: Path, cpus: list[str], workload: Any, logs: Path
+) -> dict[str, Any]:
+    replicas, policy = SETUPS[name]
+    port = free_port("127.0.0.1", 31000)
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "actorlm.cli", "serve", "--model", str(model)]
+    argv += ["--port", str(port), "--dp-size", str(replicas), "--worker-cpus", *cpus[:replicas]]
+    if policy:
+        argv += ["--router-policy", policy]
+    proc = EngineProcess(argv, {}, logs / f"{name}.log")
+    try:
+        asyncio.run(wait_ready(url, ("/health",), args.start_timeout, proc.alive))
+
+        async def warm_up() -> None:  # each replica once (distinct prompts: each goes elsewhere)
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                for i in range(replicas):
+                    warm = BenchRequest(f"Hello number {i}, how are you today?", 8, 4)
+                    await send_one(session, url, None, warm, lambda n: {"ignore_eos": True})
+
+        asyncio.run(warm_up())
+        _post(f"{url}/flush_cache", {})
+        before = cache_counts(_get(f"{url}/get_server_info")["stats"])
+        run = asyncio.run(
+            run_level(
+                url,
+                None,
+                workload,
+                lambda n: {"ignore_eos": True},
+                concurrency=args.concurrency,
+                seed=args.seed,
+                progress=False,
+                desc=name,
+            )
+        )
+        stats = _get(f"{url}/get_server_info")["stats"]
+        after = cache_counts(stats)
+    finally:
+        proc.stop()
+    for r in run.results:  # the server's count (usage): exact, whatever the text decodes to
+        r.output_tokens = r.server_output_tokens or 0
+    summary = summarize(run.results, run.duration or None)
+    router = {k: v for k, v in stats.get("tokenizer", {}).items() if k.startswith("router_")}
+    return {
+        "setup": name,
+        "replicas": replicas,
+        "policy": policy or "-",
+        "worker_cpus": cpus[:replicas],
+        "hit_rate": hit_rate(before, after),
+        "router": router,
+        "summary": summary,
+        "requests": [r.to_json() for r in run.results],
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = next((r for r in rows if r["setup"] == "one"), None)
+    head = (
+        "| setup | replicas (cores) | policy | req/s | out tok/s | x one | TTFT p50 ms | "
+        "TTFT p99 ms | ITL p50 ms | ITL p99 ms | cache hit | failed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        s = r["summary"]
+        ratio = s["output_throughput"] / base["summary"]["output_throughput"] if base else 1.0
+        lines.append(
+            f"| {r['setup']} | {r['replicas']} ({','.join(r['worker_cpus'])}) | {r['policy']} | "
+            f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {ratio:.2f} | "
+            f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} | "
+            f"{s['itl_ms']['p99']:.1f} | {r['hit_rate']:.1%} | {s['failed']} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = args.model or peers.default_gguf()
+    gguf = model if model.suffix == ".gguf" else None
+    tok = load_tokenizer(None if gguf else model, gguf)
+    params = WorkloadParams(
+        dataset="shared-prefix",
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        output_len=parse_range(args.output_len),
+        num_groups=args.num_groups,
+        system_len=args.system_len,
+        question_len=parse_range(args.question_len),
+    )
+    workload = build_workload(tok, params)
+    cpus = [c.strip() for c in args.cpus.split(",") if c.strip()]
+    setups = [s for s in args.setups.split(",") if s]
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown or any(SETUPS[s][0] > len(cpus) for s in setups):
+        print(f"bench/disagg.py: unknown setups {unknown} or too few --cpus", file=sys.stderr)
+        return 2
+    print(f"workload: {workload.describe()}", flush=True)
+    logs = args.out.with_name(args.out.stem + "-logs")
+    rows = []
+    for name in setups:
+        t = time.monotonic()
+        rows.append(run_setup(name, args, model, cpus, workload, logs))
+        print(f"{name}: {time.monotonic() - t:.0f} s", flush=True)
+    text = table(rows)
+    results = {
+        "command": " ".join(sys.argv),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine.describe(with_torch=False),
+        "cpu_pressure": machine.cpu_pressure(),
+        "model": str(model),
+        "workload": workload.describe(),
+        "concurrency": args.concurrency,
+        "runs": rows,
+    }
+    machine.save(results, text, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""bench/disagg.py's arithmetic (cache hit rate over replicas, the table); no live engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.disagg import cache_counts, hit_rate, table
+from bench.serving_metrics import RequestResult, summarize
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_the_hit_rate_sums_every_replica_and_counts_only_the_run() -> None:
+    stats = {
+        "tokenizer": {"prefix_matched_tokens": 999},
+        "cache_manager": {"prefix_matched_tokens": 100, "prefix_requested_tokens": 300},
+        "cache_manager.1": {"prefix_matched_tokens": 50, "prefix_requested_tokens": 100},
+    }
+    assert cache_counts(stats) == (150, 400)
+    assert hit_rate((50, 200), (150, 400)) == 0.5
+    assert hit_rate((1, 1), (1, 1)) == 0.0
+
+
+def test_the_table_compares_with_one_replica() -> None:
+    def row(name: str, replicas: int, tokens: int) -> dict[str, object]:
+        r = RequestResult(10, tokens, ok=True, start=0.0, end=1.0, ttft=0.1, itl=[0.01] * 3)
+        r.output_tokens = tokens
+        return {
+            "setup": name,
+            "replicas": replicas,
+            "policy": "-",
+            "worker_cpus": [str(i) for i in range(replicas)],
+            "hit_rate": 0.25,
+            "summary": summarize([r], 1.0),
+        }
+
+    text = table([row("one", 1, 100), row("cache_aware", 2, 190)])
+    assert "| one | 1 (0) | - | 1.00 | 100.0 | 1.00 |" in text
+    assert "| cache_aware | 2 (0,1) | - | 1.00 | 190.0 | 1.90 |" in text and "25.0%" in text
+
+
+def test_help_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "disagg.py"), "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and "--cpus" in done.stdout
