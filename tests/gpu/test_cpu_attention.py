@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actorlm.gpu.attention.cpu import CpuBackend
+from actorlm.gpu.attention.cpu import CpuBackend, torch_prompts_faster
 from actorlm.gpu.attention.torch_native import TorchNativeBackend
 from actorlm.gpu.forward_meta import ForwardMeta, SeqSpec
 from actorlm.gpu.kernels import native
@@ -234,6 +234,7 @@ def test_bf16_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
     want = ref.forward(q.float(), k.float(), v.float(), 1, meta)
     ours = CpuBackend(pool, heads, dim)
     ours._prefill_kernel = prefill_kernel(level)
+    ours._torch_prompts = False  # every prompt to the kernel, on AMX CPUs too
     ours.init_forward_metadata(meta)
     plan = meta.attn[0]
     takes = dim % 16 == 0  # head sizes the kernel takes; others keep torch's path
@@ -246,3 +247,26 @@ def test_bf16_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
         assert torch.equal(got, same.forward(q, k, v, 1, meta))
         return
     torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
+
+
+def test_fresh_bf16_prompts_take_torch_on_amx_and_extensions_keep_the_kernel() -> None:
+    """On AMX CPUs torch's flash attention (oneDNN's bf16 tiles) runs fresh prompts;
+    a chunk over a cached prefix still takes cpu_prefill.c; the result is the same."""
+    assert torch_prompts_faster(frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}))
+    assert not torch_prompts_faster(frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    if prefill_kernel() is None:
+        pytest.skip("no C compiler: the prefill kernel is not built")
+    torch.manual_seed(4)
+    pool, meta, q, k, v = prefill_batch([0, 40], [150, 70], 9, 3, 64, torch.bfloat16)
+    ours = CpuBackend(pool, 9, 64)
+    ours._torch_prompts = True
+    ours.init_forward_metadata(meta)
+    fresh, extension = meta.attn[0].prefills
+    assert not fresh.kernel_args and extension.kernel_args
+    got = ours.forward(q, k, v, 1, meta)
+    kernel = CpuBackend(pool, 9, 64)
+    kernel._torch_prompts = False
+    kernel.init_forward_metadata(meta)
+    torch.testing.assert_close(
+        got.float(), kernel.forward(q, k, v, 1, meta).float(), rtol=2**-7, atol=2e-3
+    )
