@@ -3,8 +3,8 @@ per instruction set.
 
 PyTorch has no paged-attention op for the CPU, and a torch C++ extension takes
 a minute to build; a plain C file with OpenMP builds in about a second with the
-system compiler. Each source builds once per ISA level it is asked for (``ISAS``:
-``avx512bf16`` = x86-64-v4 with AVX512-BF16, ``avx512`` = x86-64-v4, ``avx2`` =
+system compiler. Each source builds once per ISA level it is asked for (``ISAS``: ``amx`` = ``avx512bf16`` with AMX's bf16
+tiles, ``avx512bf16`` = x86-64-v4 with AVX512-BF16, ``avx512`` = x86-64-v4, ``avx2`` =
 x86-64-v3, ``generic`` = the compiler's baseline, which is what ARM gets), so the
 binary depends on the level and not on the build machine; ``best_isa`` picks the
 highest level this CPU's flags allow, and ``ACTORLM_ISA`` caps it
@@ -66,9 +66,14 @@ class Isa:
 _X86_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
 _X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # Highest first. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL over v3. AVX512-BF16's dot product
-# serves the block weights at batches beyond one tile of rows (gemv.h, dpbf16.h);
-# AMX adds nothing the kernels use (they pick oneDNN's bf16 GEMMs through the dtype).
+# serves the block weights at batches beyond one tile of rows (gemv.h, dpbf16.h), and
+# AMX's bf16 tiles serve them faster where the CPU has them (amx.h).
 ISAS: tuple[Isa, ...] = (
+    Isa(
+        "amx",
+        _X86_V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mtune=generic"),
+    ),
     Isa(
         "avx512bf16",
         _X86_V4 | {"avx512_bf16"},

@@ -1,7 +1,8 @@
-"""The bf16 dot products over block weights (gemv.h's path through dpbf16.h, the
-avx512bf16 build): against torch's matmul of the rows rounded to bf16, for each block
-kind, with a bias, strided rows and weights longer than one expanded chunk; and a bf16
-model's fused decode step of 32 ragged sequences against its own forward."""
+"""The bf16 products over block weights (gemv.h's paths through dpbf16.h's dot products,
+the avx512bf16 build, and amx.h's tiles, the amx build): against torch's matmul of the
+rows rounded to bf16, for each block kind, with a bias, strided rows, rows that are not
+whole tiles and weights longer than one expanded chunk; and a bf16 model's fused decode
+step of 32 ragged sequences against its own forward."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.fused_decode import FusedDecoder
 from actorlm.gpu.kernels import native
-from actorlm.gpu.kernels.qgemm import lin_blocks, linear, native_qgemm, pack
+from actorlm.gpu.kernels.qgemm import lin_blocks, lin_dense, linear, native_qgemm, pack
 from actorlm.gpu.runner import ModelRunner
 
 from ..helpers import make_runner
@@ -23,15 +24,17 @@ from .test_qgemm import _block_model, blocks
 
 pytestmark = pytest.mark.skipif(native_qgemm() is None, reason="needs a C compiler")
 
-DP_MIN_ROWS = 9  # dpbf16.h: fewer rows keep the fp32 tiles
-_HAS_DP = native.isa("avx512bf16") in native.supported_isas(native.cpu_flags(), native._is_x86())
+# rows from which each build rounds x to bf16 (dpbf16.h, amx.h): fewer keep the fp32 tiles
+MIN_ROWS = {"avx512bf16": 9, "amx": 5}
+_HERE = native.supported_isas(native.cpu_flags(), native._is_x86())
+_BF16_LEVELS = [level for level in MIN_ROWS if native.isa(level) in _HERE]
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> None:
-    """With ``act_bf16`` the avx512bf16 build rounds each row to bf16 once (from 9 rows
-    on) and sums its products with the blocks' exact values in fp32: torch's fp64
+    """With ``act_bf16`` the avx512bf16 build (from 9 rows on) and the amx build (from
+    5) round each row to bf16 once and sum its products with the blocks' exact values in fp32: torch's fp64
     matmul of the rounded rows to fp32's tolerance (sums of 1088 products of up to ~8
     in size). The other builds and fewer rows keep fp32 rows. 1088 columns are 34
     blocks: three expanded chunks."""
@@ -42,17 +45,41 @@ def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> 
     lin = lin_blocks(packed, b)
     lin.act_bf16 = 1
     g = torch.Generator().manual_seed(7)
-    for rows in (1, 5, 6, 9, 17, 32, 33):
+    for rows in (1, 4, 5, 6, 9, 16, 17, 32, 33):
         wide = torch.randn(rows, 1100, generator=g)
         x = wide[:, 5:1093]  # row stride 1100
         got = linear(x, lin, level)
         assert got is not None
-        rounds = level == "avx512bf16" and rows >= DP_MIN_ROWS
+        rounds = rows >= MIN_ROWS.get(level, rows + 1)
         xr = x.bfloat16() if rounds else x
         want = (xr.double() @ w.double().T + b.double()).float()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-4)
         if rounds:  # and it did round: fp32 rows land ~1% of the scale away
             assert (got - F.linear(x, w, b)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("shape", [(77, 576), (250, 96)])  # part groups; one and 3 k tiles
+def test_dense_bf16_rows_on_amx_tiles(level: str, shape: tuple[int, int]) -> None:
+    """A dense bf16 weight with ``act_bf16``: the amx build rounds rows to bf16 from 5
+    rows on and sums their exact products with the weight in fp32 (the weight's rows
+    loaded as tiles, a part group through a zero-padded copy, rows beyond a tile of 16
+    in further tiles); every other build and fewer rows keep fp32 rows."""
+    n, k = shape
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    lin = lin_dense(w, b)
+    assert lin is not None
+    lin.act_bf16 = 1
+    for rows in (1, 4, 5, 16, 17, 33, 40):
+        x = torch.randn(rows, k + 9, generator=g)[:, 4 : 4 + k]  # strided rows
+        got = linear(x, lin, level)
+        assert got is not None
+        rounds = level == "amx" and rows >= MIN_ROWS["amx"]
+        xr = x.bfloat16() if rounds else x
+        want = (xr.double() @ w.double().T + b.double()).float()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-4)
 
 
 def _forced_logits(
@@ -72,14 +99,20 @@ def _forced_logits(
     return out
 
 
-@pytest.mark.skipif(not _HAS_DP, reason="this CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("weights", ["blocks", "dense"])
 def test_a_bf16_step_of_32_ragged_sequences_matches_the_model(
-    tiny_model_factory: Callable[..., Path], tmp_path: Path
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, weights: str
 ) -> None:
-    """Q4_1 layers and a Q8_0 head in bf16: the fused step at batch 32 (every linear on
-    the dot products) against the model's forward (torch's bf16 GEMMs over bf16-rounded
-    weights), and no farther from it than the fp32 tiles of the avx512 build are."""
-    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    """A bf16 model's fused step at batch 32 against its forward (torch's bf16 GEMMs over
+    bf16-rounded weights), and no farther from it than the fp32 tiles of the avx512
+    build are, for each build here that rounds the rows: Q4_1 layers and a Q8_0 head
+    (avx512bf16's dot products, amx's tiles), or dense bf16 weights (amx's tiles)."""
+    levels = _BF16_LEVELS if weights == "blocks" else [x for x in _BF16_LEVELS if x == "amx"]
+    if not levels:
+        pytest.skip(f"this CPU has no build that rounds the rows of {weights} weights")
+    path = tiny_model_factory("llama")
+    if weights == "blocks":
+        path = _block_model(path, tmp_path / "blocks")
     opts = {"dtype": "bfloat16", "quantization": "gguf", "num_pages": 256}
     g = torch.Generator().manual_seed(8)
     lens = torch.randint(1, 100, (32,), generator=g).tolist()
@@ -87,17 +120,21 @@ def test_a_bf16_step_of_32_ragged_sequences_matches_the_model(
     tokens = torch.randint(3, 1000, (3, 32), generator=g).tolist()
     want = _forced_logits(make_runner(path, fused_decode_max_batch=0, **opts), prompts, tokens)
     got = {}
-    for level in ("avx512bf16", "avx512"):
+    for level in (*levels, "avx512"):
         runner = make_runner(path, fused_decode_max_batch=32, **opts)
         runner.fused, why = FusedDecoder.build(runner.model, runner.backend, 32, level)
         assert runner.fused is not None, why
-        assert runner.fused.step.weights.head.kind == 4  # Q8_0
+        assert runner.fused.step.weights.head.kind == (4 if weights == "blocks" else 1)
         got[level] = _forced_logits(runner, prompts, tokens)
     scale = max(w.abs().max().item() for w in want)
     err = {
         k: max((a - w).abs().max().item() for a, w in zip(v, want, strict=True))
         for k, v in got.items()
     }
-    assert err["avx512bf16"] <= 0.03 * scale, (err, scale)
-    assert err["avx512bf16"] <= 1.5 * err["avx512"], (err, scale)
-    assert not torch.equal(got["avx512bf16"][0], got["avx512"][0])  # the rows did round
+    # the tiny dense model's fp32-tile step already lands ~5% of the scale from its bf16
+    # forward (the step keeps fp32 between the linears, the forward rounds to bf16)
+    bound = 0.03 if weights == "blocks" else 0.06
+    for level in levels:
+        assert err[level] <= bound * scale, (level, err, scale)
+        assert err[level] <= 1.5 * err["avx512"], (level, err, scale)
+        assert not torch.equal(got[level][0], got["avx512"][0])  # the rows did round

@@ -1,0 +1,196 @@
+/* Linear layers against 5 or more rows of bf16 activations on AMX tiles (Sapphire
+ * Rapids and later), for the builds that have them: GGUF block weights, and dense bf16
+ * weights (amx_dense_cols, below). Included by gemv.h after dpbf16.h, whose rounding of
+ * x and expansion of the codes the block path shares.
+ *
+ * dpbf16.h expands a block's codes for 16 output columns into 16 vectors of bf16 pairs:
+ * exactly AMX's B tile for k = 32, n = 16 (row p holds each column's codes 2p and
+ * 2p + 1). A tile of 16 rows of x (32 bf16 each, the same block's k) is the A tile,
+ * so one TDPBF16PS gives every row's per-block sum for 16 columns at once, exact in
+ * the codes as dpbf16.h's dot products are:
+ *
+ *   part[b][r, n] = sum_k q[k, n] x[r, k]   (one block b, fp32 sums of exact products)
+ *
+ * The tiles only accumulate within a block: each block's sums are stored and scaled
+ * by the block's own d (and m times x's block sum for Q4_1) with AVX-512, a chunk of
+ * blocks at a time so a row's accumulator stays in a register across the chunk.
+ * Rows are padded to whole tiles of 16 with zeros.
+ *
+ * Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM,
+ * once a process); where it refuses, amx_blocks_cols returns -1 and the caller takes
+ * dpbf16.h's dot products. The tile configuration is per thread and other libraries
+ * on the same threads (oneDNN) load their own, so each call loads it and releases the
+ * tiles when done.
+ */
+#ifndef ACTORLM_AMX_H
+#define ACTORLM_AMX_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_MIN_ROWS 5 /* fewer rows: gemv.h's fp32 tiles (equal at 4, 1.2x at 8) */
+#define AMX_CHUNK 8    /* blocks a pass: their B tiles (8 KiB) and sums in L1 */
+#define AMX_ARCH_REQ_XCOMP_PERM 0x1023
+#define AMX_XFEATURE_XTILEDATA 18
+
+/* 1: the kernel granted the tile state, -1: it refused (0: not asked yet) */
+static int amx_state;
+
+static int amx_ready(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, AMX_ARCH_REQ_XCOMP_PERM, AMX_XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* Tiles 0-1: sums (C), 2-3: rows of x (A), 4: a block's codes (B); each 16 x 64 bytes. */
+static void amx_configure(void) {
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* Groups [g0, g1) of a block weight, all M rows of x; 0, or -1 when AMX or the
+   scratch could not be had (the caller then takes the dot products). */
+static int amx_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
+                           int64_t g1, float *y, int64_t ys) {
+    if (!amx_ready()) return -1;
+    const int q4 = L->kind == LIN_Q4_1;
+    const uint8_t *q = (const uint8_t *)L->w;
+    const uint16_t *d = L->d, *mn = L->m;
+    const int64_t K = L->k, nb = K / QK, N = L->n;
+    const int64_t Mp = (M + 15) / 16 * 16;
+    const size_t xb_bytes = ((size_t)(Mp * K) * 2 + 63) / 64 * 64;
+    const size_t sx_bytes = q4 ? ((size_t)(M * nb) * 4 + 63) / 64 * 64 : 0;
+    const size_t part_bytes = (size_t)AMX_CHUNK * Mp * GROUP * 4;
+    char *buf = dp_buffer(xb_bytes + sx_bytes + part_bytes + (size_t)M * GROUP * 4);
+    if (buf == NULL) return -1;
+    uint16_t *xb = (uint16_t *)buf;
+    float *sx = q4 ? (float *)(buf + xb_bytes) : NULL;
+    float *part = (float *)(buf + xb_bytes + sx_bytes), *acc = part + AMX_CHUNK * Mp * GROUP;
+    dp_round_rows(x, M, xs, K, xb, sx);
+    memset(xb + M * K, 0, (size_t)((Mp - M) * K) * 2);
+    const int64_t chunks = (nb + AMX_CHUNK - 1) / AMX_CHUNK, per = (nb + chunks - 1) / chunks;
+    const int64_t xstride = K * 2;
+    __m512i wb[AMX_CHUNK * 16];
+    __m512 dv[AMX_CHUNK], mv[AMX_CHUNK];
+    amx_configure();
+    for (int64_t g = g0; g < g1; g++) {
+        for (int64_t b0 = 0; b0 < nb; b0 += per) {
+            const int64_t nbc = nb - b0 < per ? nb - b0 : per;
+            dp_expand(q4, q, nb, g, b0, nbc, wb);
+            for (int64_t b = 0; b < nbc; b++) {
+                const uint16_t *xa = xb + (b0 + b) * QK;
+                float *pb = part + b * Mp * GROUP;
+                _tile_loadd(4, wb + b * 16, 64);
+                for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                    _tile_zero(0);
+                    _tile_loadd(2, xa + m0 * K, xstride);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_stored(0, pb + m0 * GROUP, 64);
+                    if (m0 + 16 < Mp) {
+                        _tile_zero(1);
+                        _tile_loadd(3, xa + (m0 + 16) * K, xstride);
+                        _tile_dpbf16ps(1, 3, 4);
+                        _tile_stored(1, pb + (m0 + 16) * GROUP, 64);
+                    }
+                }
+                const int64_t blk = g * nb + b0 + b;
+                dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + blk * GROUP)));
+                if (q4) mv[b] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + blk * GROUP)));
+            }
+            /* each row's block sums, scaled, into its accumulator */
+            for (int64_t r = 0; r < M; r++) {
+                __m512 a = b0 ? _mm512_loadu_ps(acc + r * GROUP) : _mm512_setzero_ps();
+                const float *sr = q4 ? sx + r * nb + b0 : NULL;
+                for (int64_t b = 0; b < nbc; b++) {
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(part + (b * Mp + r) * GROUP), dv[b], a);
+                    if (q4) a = _mm512_fmadd_ps(mv[b], _mm512_set1_ps(sr[b]), a);
+                }
+                _mm512_storeu_ps(acc + r * GROUP, a);
+            }
+        }
+        const int64_t n0 = g * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = 0; n < w; n++) y[r * ys + n0 + n] = acc[r * GROUP + n];
+    }
+    _tile_release();
+    return 0;
+}
+
+/* Columns [c0, c1) of a dense bf16 weight [N, K] (K % 32 == 0), all M rows of x: here
+   the weight's rows are the A tiles as they lie in memory (a part group copied out
+   with zero rows after it), and x, rounded to bf16 once a call, the B tiles (x^T as
+   bf16 pairs: pair p of row r at [p][r]), so a tile sums over all of K before it is
+   stored (y^T, 16 columns by 16 rows). 0, or -1 when AMX or the scratch could not be
+   had. */
+static int amx_dense_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t c0,
+                          int64_t c1, float *y, int64_t ys) {
+    if (!amx_ready()) return -1;
+    const int64_t K = L->k, nk = K / QK, T = (M + 15) / 16;
+    const size_t xv_bytes = (size_t)(T * nk) * 1024, tail_bytes = (size_t)(GROUP * K) * 2;
+    char *buf = dp_buffer(xv_bytes + tail_bytes + 2 * 1024);
+    if (buf == NULL) return -1;
+    uint32_t *xv = (uint32_t *)buf; /* [T][nk][16 pairs][16 rows] */
+    uint16_t *tail = (uint16_t *)(buf + xv_bytes);
+    float *cb = (float *)(buf + xv_bytes + tail_bytes);
+    memset(xv, 0, xv_bytes);
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t kc = 0; kc < nk; kc++) {
+            const float *p = x + r * xs + kc * QK;
+            const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+            _mm512_i32scatter_epi32(xv + ((r / 16) * nk + kc) * 256 + r % 16, at, v, 4);
+        }
+    const uint16_t *w = (const uint16_t *)L->w;
+    const int64_t wstride = K * 2;
+    amx_configure();
+    for (int64_t n0 = c0; n0 < c1; n0 += GROUP) {
+        const int64_t cols = c1 - n0 < GROUP ? c1 - n0 : GROUP;
+        const uint16_t *wn = w + n0 * K;
+        if (cols < GROUP) {
+            memcpy(tail, wn, (size_t)(cols * K) * 2);
+            memset(tail + cols * K, 0, (size_t)((GROUP - cols) * K) * 2);
+            wn = tail;
+        }
+        for (int64_t t0 = 0; t0 < T; t0 += 2) {
+            const int two = t0 + 1 < T;
+            const uint32_t *x0 = xv + t0 * nk * 256, *x1 = x0 + nk * 256;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kc = 0; kc < nk; kc++) {
+                _tile_loadd(2, wn + kc * QK, wstride);
+                _tile_loadd(3, x0 + kc * 256, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                if (two) {
+                    _tile_loadd(4, x1 + kc * 256, 64);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+            }
+            _tile_stored(0, cb, 64);
+            _tile_stored(1, cb + 256, 64);
+            for (int64_t t = 0; t < 1 + two; t++) {
+                const int64_t r0 = (t0 + t) * 16, rows = M - r0 < 16 ? M - r0 : 16;
+                for (int64_t n = 0; n < cols; n++)
+                    for (int64_t r = 0; r < rows; r++) y[(r0 + r) * ys + n0 + n] = cb[t * 256 + n * 16 + r];
+            }
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+#endif
