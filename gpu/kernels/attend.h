@@ -7,7 +7,8 @@
  * either dtype) and by its actorlm_paged_decode_kv (the cpu attention backend's
  * decodes over a bf16 pool). The backend's decodes may start inside the first page
  * (a sliding window: the keys before `start` are masked) and soft-cap the scaled
- * scores (Gemma 2: cap * tanh(s / cap)); the fused step passes neither.
+ * scores (Gemma 2: cap * tanh(s / cap)); the fused step passes neither. Builds with
+ * AVX512-BF16 take bf16 pages through attend_dp.h's dot products instead.
  */
 #ifndef ACTORLM_ATTEND_H
 #define ACTORLM_ATTEND_H
@@ -15,6 +16,9 @@
 #include <stdint.h>
 #include <string.h>
 #include "simd.h"
+#if defined(__AVX512BF16__)
+#include "attend_dp.h"
+#endif
 
 static inline __attribute__((always_inline)) v8f kv_load8(const int bf16, const void *p,
                                                           int64_t off) {
@@ -121,11 +125,18 @@ static inline __attribute__((always_inline)) void attend_kv(
     const int64_t page_elems = page_size * D;
     const int vec = D % 8 == 0;
     const int64_t esize = bf16 ? 2 : 4;
+#if defined(__AVX512BF16__)
+    /* bf16 pages on the bf16 dot products (attend_dp.h) */
+    const int dp = bf16 && D % 32 == 0 && D <= 256 && G <= ATT_DP_MAX_G;
+    if (dp) att_dp_scores(q, (const uint16_t *)k, (const uint16_t *)v, table, len, G, D, page_size, scale, scores);
+#else
+    const int dp = 0;
+#endif
     /* bf16 pages shared by G > 1 query heads: widened once into `page` (a page of fp32,
        in L1), not once a head (the widening cost as much as the multiply-adds) */
-    const int wide = bf16 && vec && G > 1;
+    const int wide = bf16 && vec && G > 1 && !dp;
     float page[wide ? page_elems : 1] __attribute__((aligned(32)));
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+    for (int64_t t0 = 0; t0 < len && !dp; t0 += page_size) {
         const int64_t off = table[t0 / page_size] * page_elems;
         const int64_t n = len - t0 < page_size ? len - t0 : page_size;
         if (t0 + page_size < len) { /* the next page of K, beyond the prefetcher's reach */
@@ -159,8 +170,11 @@ static inline __attribute__((always_inline)) void attend_kv(
         inv_sum[g] = 1.f / att_exp_sum(sg + start, len - start, m);
         memset(sg, 0, sizeof(float) * (size_t)start); /* masked keys weigh nothing */
     }
-    memset(acc, 0, sizeof(float) * (size_t)(G * D));
-    for (int64_t t0 = 0; t0 < len; t0 += page_size) {
+#if defined(__AVX512BF16__)
+    if (dp) att_dp_values(scores, (const uint16_t *)v, table, len, G, D, page_size, acc);
+#endif
+    if (!dp) memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    for (int64_t t0 = 0; t0 < len && !dp; t0 += page_size) {
         const int64_t off = table[t0 / page_size] * page_elems;
         const int64_t n = len - t0 < page_size ? len - t0 : page_size;
         const void *vp = v;

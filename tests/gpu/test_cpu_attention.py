@@ -13,9 +13,20 @@ from actorlm.gpu.attention.torch_native import TorchNativeBackend
 from actorlm.gpu.forward_meta import ForwardMeta, SeqSpec
 from actorlm.gpu.kernels import native
 from actorlm.gpu.kernels.attention import decode_kernel, prefill_kernel
+from actorlm.gpu.kernels.step import native_step
 from actorlm.gpu.kv_pool import KVPool
 
 from .kernels.levels import LEVELS
+
+# Builds with AVX512-BF16 attend over bf16 pools with bf16 dot products (attend_dp.h):
+# q and the probabilities round to bf16 first, as torch's bf16 attention rounds them, which
+# moves an output by up to ~2^-9 of the largest value it weighs.
+_BF16_DOTS = native.best_isa().name in ("amx", "avx512bf16")
+
+
+def bf16_pool_atol(v: torch.Tensor, fp32_atol: float) -> float:
+    """The absolute tolerance of a decode over a bf16 pool holding values like ``v``."""
+    return 2**-8 * v.float().abs().max().item() if _BF16_DOTS else fp32_atol
 
 
 def decode_batch(
@@ -76,8 +87,9 @@ def test_kernel_softmax_is_exact_on_peaked_and_long_contexts() -> None:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 12)])
 def test_bf16_pools_take_the_bf16_kernel(heads: int, kv_heads: int, dim: int) -> None:
-    """fp32 arithmetic on the pool's bf16 values: within float rounding of fp32 SDPA on
-    the same values, then rounded once to bf16 (relative 2^-8)."""
+    """The pool's bf16 values (fp32 arithmetic, or bf16 dot products where the build has
+    them): within rounding of fp32 SDPA on the same values, then rounded once to bf16
+    (relative 2^-8)."""
     torch.manual_seed(2)
     pool, meta, q, k, v = decode_batch([5, 40, 17, 300], heads, kv_heads, dim, torch.bfloat16)
     pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
@@ -90,7 +102,37 @@ def test_bf16_pools_take_the_bf16_kernel(heads: int, kv_heads: int, dim: int) ->
     ours.init_forward_metadata(meta)
     got = ours.forward(q, k, v, 1, meta)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=bf16_pool_atol(pool.kv, 1e-5))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 1, 128), (4, 2, 80), (4, 2, 256)]
+)
+@pytest.mark.parametrize("level", LEVELS)
+def test_bf16_decode_kernel_in_each_isa_build(
+    heads: int, kv_heads: int, dim: int, level: str
+) -> None:
+    """Every ISA build's bf16-pool decodes (the AVX512-BF16 ones on bf16 dot products for
+    head sizes that are multiples of 32 and up to 16 query heads a KV head, fp32
+    arithmetic otherwise) against fp32 SDPA on the same values, over contexts of one
+    key, part pages, whole pages and several hundred keys."""
+    torch.manual_seed(6)
+    pool, meta, q, k, v = decode_batch([1, 15, 16, 17, 333], heads, kv_heads, dim, torch.bfloat16)
+    pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
+    pool32.kv.copy_(pool.kv)
+    ref = TorchNativeBackend(pool32, heads, dim)
+    ref.init_forward_metadata(meta)
+    want = ref.forward(q.float(), k.float(), v.float(), 1, meta)
+    lib = native_step(level)
+    assert lib is not None
+    ours = CpuBackend(pool, heads, dim)
+    ours._kernel = ours._kv_kernel = lib.actorlm_paged_decode_kv
+    ours.init_forward_metadata(meta)
+    assert meta.attn[0].decode.kernel_args  # the kernel, not the torch path
+    got = ours.forward(q, k, v, 1, meta)
+    dots = level in ("amx", "avx512bf16") and dim % 32 == 0
+    atol = 2**-8 * pool.kv.float().abs().max().item() if dots else 1e-5
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=atol)
 
 
 def test_other_dtypes_take_the_torch_path() -> None:
@@ -171,7 +213,7 @@ def test_softcapped_fp32_decodes_take_the_capping_kernel() -> None:
 @pytest.mark.parametrize(("window", "cap"), [(5, 0.0), (20, 0.0), (0, 5.0), (8, 5.0), (70, 50.0)])
 def test_bf16_kernel_decodes_windowed_and_softcapped(window: int, cap: float) -> None:
     """Gemma 2's layers (a window, soft-capped scores) on a bf16 pool take the kernel:
-    fp32 arithmetic on the bf16 values against the key-by-key reference on the same
+    the bf16 values (as above) against the key-by-key reference on the same
     values, the output rounded once to bf16."""
     torch.manual_seed(5)
     lens = [1, 7, 16, 17, 100, 144, 33]
@@ -187,7 +229,7 @@ def test_bf16_kernel_decodes_windowed_and_softcapped(window: int, cap: float) ->
         slot = meta.page_tables[b][(n - 1) // 16] * 16 + (n - 1) % 16
         pool32.k_slots(1)[:, slot], pool32.v_slots(1)[:, slot] = k[b].float(), v[b].float()
     ref = reference_decode(pool32, meta, q.float(), 1, window, cap)
-    torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=1e-4)
+    torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=bf16_pool_atol(pool.kv, 1e-4))
 
 
 def prefill_batch(
