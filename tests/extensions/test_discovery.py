@@ -289,7 +289,11 @@ def test_cpu_platform_describes_this_machine() -> None:
     assert model.quantization == "gguf" and model.dtype == platform.default_dtype()  # auto
     cores = len(os.sched_getaffinity(0))
     budget = platform.adjust_defaults(unset).scheduler.max_prefill_tokens
-    assert budget == min(2048, max(256, 128 * cores))  # ~0.5 s of prefill a step
+    base = min(2048, max(256, 128 * cores))  # ~0.5 s of fp32 prefill a step
+    amx = model.dtype == "bfloat16" and "amx_bf16" in platform.native_bf16()
+    assert budget == (2 * base if amx else base)  # AMX's bf16 prefill takes twice the tokens
+    fp32 = EngineConfig(model=ModelConfig(device="", dtype="float32", page_size=0))
+    assert platform.adjust_defaults(fp32).scheduler.max_prefill_tokens == base
     chosen = EngineConfig(
         model=ModelConfig(
             device="cpu", dtype="float32", attention_backend="x", page_size=4, quantization="none"
