@@ -11,7 +11,8 @@ with 1,000-token contexts a decode step of the default model went from ~95 to ~6
 A sliding window starts each sequence's keys at its window inside the first page
 the window touches. A bf16 pool decodes through ``cpu_step.c``'s kernel of the
 same shape (``attend.h``: K and V widened as read, q and the output through fp32),
-and its prompts through ``cpu_prefill.c``; that decode kernel also takes windows and
+and its prompts through ``cpu_prefill.c`` (on AMX CPUs through torch's flash attention,
+``torch_prompts_faster``); that decode kernel also takes windows and
 soft-capped scores, over bf16 or fp32 pages, so capped decodes of either pool run it
 (Gemma 2's decodes at batch 32 spent ~1.5 ms a layer in the torch path's gather, cap
 and softmax). Anything the kernels do not cover (other dtypes or devices, no C
@@ -39,10 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def torch_prompts_faster(flags: frozenset[str]) -> bool:
-    """Whether a fresh bf16 prompt runs faster through torch's flash attention than
-    through cpu_prefill.c: on AMX (oneDNN's bf16 tiles), 512 tokens of the default
-    model's 30 layers took 32 ms against the C kernel's 80 (Xeon, 2 cores, 2026-12-02).
-    Extensions over a cached prefix keep the C kernel (torch's masked path unmeasured)."""
+    """Whether bf16 prompts run faster through torch's flash attention than through
+    cpu_prefill.c: on AMX (oneDNN's bf16 tiles), 512 fresh tokens of the default model's
+    30 layers took 32 ms against the C kernel's 80 (Xeon, 2 cores, 2026-12-02), and a
+    chunk over a cached prefix (its pages gathered, a causal mask) too: 48 tokens over
+    1,024 cached took 49 ms a forward pass against 71, 256 over 1,024 122 against 235
+    (2026-12-03)."""
     return "amx_bf16" in flags
 
 
@@ -69,7 +72,7 @@ class CpuBackend(TorchNativeBackend):
     ) -> _Prefill:
         p = super()._plan_prefill(meta, i, window, device)
         kernel = self._prefill_kernel is not None and not window and not meta.logit_softcap
-        kernel = kernel and not (self._torch_prompts and p.start_pos == 0)
+        kernel = kernel and not self._torch_prompts
         if kernel and self.head_dim % 16 == 0 and self.head_dim <= 256:
             n = p.rows.stop - p.rows.start
             needed = -(-(p.start_pos + n) // self.pool.page_size)

@@ -291,9 +291,9 @@ def test_bf16_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
     torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
 
 
-def test_fresh_bf16_prompts_take_torch_on_amx_and_extensions_keep_the_kernel() -> None:
-    """On AMX CPUs torch's flash attention (oneDNN's bf16 tiles) runs fresh prompts;
-    a chunk over a cached prefix still takes cpu_prefill.c; the result is the same."""
+def test_bf16_prompts_take_torch_on_amx() -> None:
+    """On AMX CPUs torch's flash attention (oneDNN's bf16 tiles) runs fresh prompts and
+    chunks over a cached prefix alike; the result is cpu_prefill.c's."""
     assert torch_prompts_faster(frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}))
     assert not torch_prompts_faster(frozenset({"avx2", "avx512f", "avx512_bf16"}))
     if prefill_kernel() is None:
@@ -303,12 +303,12 @@ def test_fresh_bf16_prompts_take_torch_on_amx_and_extensions_keep_the_kernel() -
     ours = CpuBackend(pool, 9, 64)
     ours._torch_prompts = True
     ours.init_forward_metadata(meta)
-    fresh, extension = meta.attn[0].prefills
-    assert not fresh.kernel_args and extension.kernel_args
+    assert not any(p.kernel_args for p in meta.attn[0].prefills)
     got = ours.forward(q, k, v, 1, meta)
     kernel = CpuBackend(pool, 9, 64)
     kernel._torch_prompts = False
     kernel.init_forward_metadata(meta)
+    assert all(p.kernel_args for p in meta.attn[0].prefills)
     torch.testing.assert_close(
         got.float(), kernel.forward(q, k, v, 1, meta).float(), rtol=2**-7, atol=2e-3
     )
