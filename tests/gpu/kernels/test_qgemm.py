@@ -233,6 +233,30 @@ def test_layer_runs_the_kernel_for_small_batches_and_fp16_for_large() -> None:
     assert isinstance(GGUFMethod().convert(torch.randn(64, 96), b), Fp16Linear)
 
 
+def test_bf16_rows_take_the_blocks_up_to_the_platforms_limit() -> None:
+    """bf16 rows take the block kernel's bf16 path (AMX tiles: up to 48 rows on an AMX
+    CPU, 8 elsewhere), exact products of the rows and the file's weights summed in fp32;
+    more rows take the dense bf16 GEMM over the weights rounded to bf16."""
+    w, b = blocks((64, 96), "q4_1"), torch.randn(64)
+    method = GGUFMethod()
+    method.check(torch.device("cpu"), torch.bfloat16)
+    layer = method.convert(w, b)
+    assert isinstance(layer, GGUFLinear)
+    amx = native.best_isa().name == "amx"
+    limit = layer.max_rows(torch.bfloat16)
+    assert limit == (GGUFLinear.AMX_MAX_ROWS if amx else GGUFLinear.KERNEL_MAX_ROWS)
+    assert layer.max_rows(torch.float32) == GGUFLinear.KERNEL_MAX_ROWS
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 96).bfloat16()
+        got = layer(x)
+        if rows <= limit:
+            assert torch.equal(got, linear(x, layer.lin_bf16))  # type: ignore[arg-type]
+            want = (x.double() @ w.double().T + b.double()).bfloat16()
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
+        else:
+            assert torch.equal(got, layer.dense(x))
+
+
 def _block_model(src: Path, out: Path) -> Path:
     """``src`` (a tiny HF model) with every linear weight made Q4_1 block values and
     the embedding (the tied LM head) Q8_0, saved to ``out``."""
