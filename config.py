@@ -160,6 +160,12 @@ class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     # CPUs each replica's worker process is pinned to ("0", "2-3", "0,4"), one per replica
     # (replica i takes the i-th); empty: not pinned
     worker_cpus: list[str] = []
+    # serve: where the pipeline's actors run: local processes, or Ray actors placed on a
+    # Ray cluster the user runs (the `ray` extra; actors/runtime/ray_launcher.py)
+    launcher: str = "local"  # local | ray
+    ray_address: str = "auto"  # the cluster, as ray.init takes it
+    ray_worker_cpus: float = 1.0  # Ray CPUs a worker asks for (a GPU instead on CUDA)
+    ray_actor_cpus: float = 0.25  # Ray CPUs every other actor asks for
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

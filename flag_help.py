@@ -78,6 +78,10 @@ FLAG_HELP: dict[str, str] = {
     "keys_dir": "CurveZMQ keys (actorlm keys DIR) for every tcp socket",
     "insecure": "allow tcp beyond loopback without keys: anyone reaching a port commands",
     "worker_cpus": "CPUs each replica's worker is pinned to, one per replica: 0 1, or 0-3 4-7",
+    "launcher": "serve: local (processes here) or ray (Ray actors on your cluster; actorlm[ray])",
+    "ray_address": "--launcher ray: the cluster, as ray.init takes it (auto, HOST:PORT)",
+    "ray_worker_cpus": "--launcher ray: CPUs a worker asks Ray for (on CUDA one GPU instead)",
+    "ray_actor_cpus": "--launcher ray: CPUs each other actor asks Ray for",
     # data-parallel replicas and routing
     "dp_size": "data-parallel replicas, each its own scheduler, cache manager and worker",
     "router_policy": "which replica takes a request: cache_aware, round_robin, least_load, a plugin's",

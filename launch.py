@@ -64,6 +64,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("scheduler", "on_worker_loss"): ("fail", "recompute"),
     ("deploy", "transport"): ("inproc", "ipc", "tcp"),
     ("deploy", "restart_policy"): ("on-failure", "never"),
+    ("deploy", "launcher"): ("local", "ray"),
 }
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -150,6 +151,9 @@ def validate_config(config: EngineConfig) -> None:
             )
     if c.hicache_storage_backend and not c.hicache_storage_dir:
         raise ConfigError("--hicache-storage-backend needs --hicache-storage-dir")
+    d = config.deploy
+    if d.launcher == "ray" and min(d.ray_worker_cpus, d.ray_actor_cpus) < 0:
+        raise ConfigError("--ray-worker-cpus and --ray-actor-cpus cannot be negative")
     _validate_grammar(config)
 
 

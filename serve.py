@@ -22,7 +22,7 @@ import time
 from .actors.client import pipeline_roles
 from .actors.runtime import ActorRuntime, RuntimeOptions
 from .actors.runtime.process import event_loop_runner, setup_logging
-from .actors.runtime.supervisor import Launcher
+from .actors.runtime.ray_launcher import make_launcher
 from .actors.runtime.transport import ZmqTransport, free_port
 from .config import EngineConfig
 from .gateway.actor import GatewayActor, say
@@ -53,7 +53,7 @@ async def serve_async(
         return await _gateway_alone(config, deployment, stop)
     url = f"http://{config.server.host}:{config.server.port}"
     say(f"actorlm: loading {config.model.path} (health at {url}/health answers 503 until ready)")
-    launcher = Launcher(config, ["gateway", *pipeline_roles(config)])
+    launcher = make_launcher(config, ["gateway", *pipeline_roles(config)])
     started = time.monotonic()
     total = len(launcher.members)
 

@@ -400,19 +400,24 @@ class Launcher:
                 peer = peers.peers.get(member.role)
                 hung = (
                     member.alive
-                    and member.process is not None
                     and peer is not None
                     and peer.incarnation == member.incarnation
                     and not peer.up
                 )
-                if hung and not self._stopping:
+                if hung and not self._stopping and self._kill(member):
                     log.error(
-                        "actor %s sent nothing for %gs; killing it",
+                        "actor %s sent nothing for %gs; killed it",
                         member.role,
                         self.config.deploy.peer_timeout_s,
                     )
-                    assert member.process is not None
-                    member.process.kill()  # the pidfd reports the death
+
+    def _kill(self, member: _Member) -> bool:
+        """Kill ``member``'s process (its exit then goes the usual way); False where
+        there is none to kill (inproc)."""
+        if member.process is None:
+            return False
+        member.process.kill()  # the pidfd reports the death
+        return True
 
     async def _reap(self, member: _Member, deadline: float) -> None:
         if member.task is not None:
