@@ -24,6 +24,7 @@ role ``scheduler.1``), and so on for ``cache_manager.1`` and ``worker.1``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import tomllib
 from pathlib import Path
@@ -152,6 +153,10 @@ def validate_config(config: EngineConfig) -> None:
     if c.hicache_storage_backend and not c.hicache_storage_dir:
         raise ConfigError("--hicache-storage-backend needs --hicache-storage-dir")
     d = config.deploy
+    if d.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        from .actors.runtime.ray_launcher import RAY_MISSING
+
+        raise ConfigError(RAY_MISSING)
     if d.launcher == "ray" and min(d.ray_worker_cpus, d.ray_actor_cpus) < 0:
         raise ConfigError("--ray-worker-cpus and --ray-actor-cpus cannot be negative")
     _validate_grammar(config)

@@ -153,9 +153,11 @@ def test_sigterm_stops_every_actor_and_shell(served: Served) -> None:
 
 
 def test_without_ray_the_flag_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from actorlm.actors.runtime.ray_launcher import import_ray
-    from actorlm.launch import ConfigError
+    from actorlm.config import DeployConfig, EngineConfig
+    from actorlm.launch import ConfigError, validate_config
 
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray: ImportError
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    config = EngineConfig(deploy=DeployConfig(launcher="ray"))
     with pytest.raises(ConfigError, match=r"pip install 'actorlm\[ray\]'"):
-        import_ray()
+        validate_config(config)
+    validate_config(EngineConfig())  # the local launcher needs no Ray

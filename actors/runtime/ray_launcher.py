@@ -36,23 +36,22 @@ from .child import ChildSpec
 from .supervisor import GATEWAY, Launcher, StartupError, _Member
 from .transport import free_port
 
-__all__ = ["RayLauncher", "import_ray", "make_launcher"]
+__all__ = ["RAY_MISSING", "RayLauncher", "import_ray", "make_launcher"]
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 
 
+RAY_MISSING = "--launcher ray needs Ray on this host and the cluster: pip install 'actorlm[ray]'"
+
+
 def import_ray() -> Any:
-    """The ``ray`` module, or a one-line error saying how to get it."""
+    """The ``ray`` module (``validate_config`` has refused ``--launcher ray`` without it)."""
     try:
         import ray
     except ImportError as exc:
-        from ...launch import ConfigError
-
-        raise ConfigError(
-            "--launcher ray needs Ray on this host and the cluster: pip install 'actorlm[ray]'"
-        ) from exc
+        raise RuntimeError(RAY_MISSING) from exc
     return ray
 
 
@@ -173,15 +172,7 @@ class RayLauncher(Launcher):
         member.ready = asyncio.Event()
         member.alive = False
         member.ready_at = 0.0
-        child = ChildSpec(
-            spec=member.spec,
-            config=self.config,
-            address=member.address,
-            book=dict(self.book),
-            supervisor="supervisor",
-            parent=0,  # the shell, set there
-            sys_path=[p for p in sys.path if p],
-        )
+        child = self._child_spec(member, 0)  # its parent: the shell, set there
         ref = shell.run.remote(member.role, msgspec.msgpack.encode(child))
         member.task = asyncio.create_task(self._exit_code(member.role, ref), name=member.role)
         member.task.add_done_callback(functools.partial(self._on_exit, member))

@@ -252,15 +252,7 @@ class Launcher:
             member.task = asyncio.create_task(runtime.serve(), name=member.role)
             member.task.add_done_callback(functools.partial(self._on_exit, member))
             return
-        child = ChildSpec(
-            spec=member.spec,
-            config=self.config,
-            address=member.address,
-            book=dict(self.book),
-            supervisor="supervisor",
-            parent=os.getpid(),
-            sys_path=[p for p in sys.path if p],
-        )
+        child = self._child_spec(member, os.getpid())
         proc = subprocess.Popen(
             [sys.executable, "-m", "actorlm.actors.runtime.child", member.role],
             stdin=subprocess.PIPE,
@@ -276,6 +268,19 @@ class Launcher:
         except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll instead
             member.pidfd = -1
             loop.create_task(self._poll_exit(member, proc))
+
+    def _child_spec(self, member: _Member, parent: int) -> ChildSpec:
+        """What ``member``'s process reads on its stdin (``parent``: the process it
+        watches, and stops without)."""
+        return ChildSpec(
+            spec=member.spec,
+            config=self.config,
+            address=member.address,
+            book=dict(self.book),
+            supervisor="supervisor",
+            parent=parent,
+            sys_path=[p for p in sys.path if p],
+        )
 
     def _on_pidfd(self, member: _Member, proc: subprocess.Popen[bytes]) -> None:
         self._close_pidfd(member)
