@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(KEY_ROLES),
         help=f"comma-separated roles (default: {','.join(KEY_ROLES)})",
     )
+    keys.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="also the members of data-parallel replicas 1..N-1 (scheduler.1, worker.1, ...)",
+    )
     plugins = sub.add_parser(
         "plugins", help="list plugins, the platform, registries, hooks and interceptors"
     )
@@ -191,7 +197,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "actor":
         return _actor(args)
     if args.command == "keys":
-        made = create_keys(args.dir, tuple(r for r in args.roles.split(",") if r))
+        from .actors.replicas import replica_members
+
+        roles = [r for r in args.roles.split(",") if r]
+        roles += [r for i in range(1, args.dp_size) for r in replica_members(i)]
+        made = create_keys(args.dir, tuple(roles))
         print(f"actorlm: {len(made)} key pair(s) in {args.dir}")
         for path in made:
             print(f"  {path.with_suffix('.key')}  {path}")

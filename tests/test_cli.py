@@ -114,6 +114,10 @@ def test_keys_are_created_owner_only(tmp_path: Path) -> None:
     assert (folder / "worker.key_secret").stat().st_mode & 0o777 == 0o600
     again = actorlm("keys", str(folder), "--roles", "worker")
     assert again.returncode == 0 and "0 key pair(s)" in again.stdout  # existing pairs stay
+    replicas = actorlm("keys", str(folder), "--roles", "worker", "--dp-size", "3")
+    assert replicas.returncode == 0 and "6 key pair(s)" in replicas.stdout, replicas.stdout
+    made = {p.name for p in folder.glob("*.key")}
+    assert {f"{r}.{i}.key" for r in ("scheduler", "cache_manager", "worker") for i in (1, 2)} < made
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
