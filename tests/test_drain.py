@@ -17,7 +17,7 @@ from tests.test_serve import Served, role_pids
 
 pytestmark = pytest.mark.timeout(300)
 
-TOKENS = 600
+TOKENS = 1800  # a few seconds of stream: the drain lands while it runs (the model holds 2048)
 
 
 def test_drain_finishes_what_runs_refuses_the_rest_and_exits(
@@ -40,7 +40,8 @@ def test_drain_finishes_what_runs_refuses_the_rest_and_exits(
         assert status == 200 and body["draining"] and body["in_flight"] == 1, body
         if not stream.ended:  # still streaming: new work is refused meanwhile
             status, refused = http(f"{served.url}/generate", {"text": "hi"})
-            assert status == 503 and refused["error"]["code"] == "shutting_down", refused
+            if status or not stream.ended:  # (not: it ended just now, and the server went)
+                assert status == 503 and refused["error"]["code"] == "shutting_down", refused
         assert proc.wait(90) == 0, served.log_tail()
         stream.join(10)
         chunks = [json.loads(e) for e in stream.events if e.startswith("{")]
