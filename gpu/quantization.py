@@ -42,7 +42,7 @@ import torch
 from actorlm.extensions.points import QUANTIZATION_METHODS
 from torch import nn
 
-from .kernels import native, qgemm
+from .kernels import qgemm
 from .kernels.qgemm import PackedWeight
 
 __all__ = [
@@ -169,7 +169,7 @@ class GGUFLinear(nn.Module):
 
     def max_rows(self, dtype: torch.dtype) -> int:
         """The most rows of ``dtype`` the block kernel takes; more go to ``dense``."""
-        amx = dtype == torch.bfloat16 and native.best_isa().name == "amx"
+        amx = dtype == torch.bfloat16 and qgemm.amx_ready()
         return self.AMX_MAX_ROWS if amx else self.KERNEL_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,3 +47,13 @@ int actorlm_linear(const lin_t *L, const void *x, int64_t x_bf16, int64_t M, int
     free(ybuf);
     return 0;
 }
+
+/* 1 where this build runs block and dense bf16 rows on AMX tiles (the CPU has them and
+   the kernel granted their state), else 0. */
+int actorlm_amx_ready(void) {
+#if defined(__AMX_BF16__)
+    return amx_ready();
+#else
+    return 0;
+#endif
+}

@@ -29,6 +29,7 @@ __all__ = [
     "QK",
     "Lin",
     "PackedWeight",
+    "amx_ready",
     "dequantize_blocks",
     "gemm",
     "lin_blocks",
@@ -274,6 +275,14 @@ def native_qgemm(level: str = "") -> Any | None:
         fn.argtypes = [ctypes.POINTER(Lin), _P, _I, _I, _I, _P, _I, _I, _T]
         fn.restype = ctypes.c_int
     return lib
+
+
+@cache
+def amx_ready(level: str = "") -> bool:
+    """Whether the build for ``level`` (default: the best here) runs bf16 rows on AMX
+    tiles: an amx build, on a CPU whose kernel grants the tile state."""
+    lib = native_qgemm(level)
+    return lib is not None and bool(lib.actorlm_amx_ready())
 
 
 def linear(x: torch.Tensor, lin: Lin, level: str = "") -> torch.Tensor | None:
