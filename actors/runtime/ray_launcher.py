@@ -106,8 +106,7 @@ class RayLauncher(Launcher):
         # Loopback between actors on this host's node; a node's own address (Ray's) for
         # the others, and for this host's ends when the cluster has other nodes.
         self._node = str(self.ray.get_runtime_context().get_node_id())
-        self._hosts = {n["NodeID"]: n["NodeManagerAddress"] for n in self.ray.nodes() if n["Alive"]}
-        self._hosts[self._node] = LOOPBACK
+        self._hosts = self._node_hosts()
         host = LOOPBACK if len(self._hosts) == 1 else self.ray.util.get_node_ip_address()
         here = {role: f"tcp://{host}:{free_port(host)}" for role in ("supervisor", GATEWAY)}
         config = msgspec.structs.replace(
@@ -146,7 +145,9 @@ class RayLauncher(Launcher):
                 f"Ray placed no shell for {', '.join(roles)} within {wait:g}s: does the "
                 "cluster have the CPUs (or GPUs) they ask for?"
             ) from None
-        hosts = [self._hosts.get(n) or self._refresh_host(n) for n in nodes]
+        if not set(nodes) <= set(self._hosts):  # a node joined since
+            self._hosts = self._node_hosts()
+        hosts = [self._hosts[n] for n in nodes]
         addresses = await asyncio.gather(
             *(self._shells[r].address.remote(h) for r, h in zip(roles, hosts, strict=True))
         )
@@ -156,13 +157,10 @@ class RayLauncher(Launcher):
         self._supervisor.book.update(self.book)
         await super().start(timeout)
 
-    def _refresh_host(self, node: str) -> str:
-        """The address of a node that joined after this launcher started."""
-        self._hosts.update(
-            {n["NodeID"]: n["NodeManagerAddress"] for n in self.ray.nodes() if n["Alive"]}
-        )
-        self._hosts[self._node] = LOOPBACK
-        return str(self._hosts[node])
+    def _node_hosts(self) -> dict[str, str]:
+        """Each live node's address for actorlm's sockets (loopback on this host's)."""
+        hosts = {n["NodeID"]: n["NodeManagerAddress"] for n in self.ray.nodes() if n["Alive"]}
+        return {**hosts, self._node: LOOPBACK}
 
     def _spawn(self, member: _Member) -> None:
         shell = self._shells.get(member.role)
