@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="also the members of data-parallel replicas 1..N-1 (scheduler.1, worker.1, ...)",
     )
+    keys.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        help="also the members of this many prefill replicas (numbered after --dp-size's)",
+    )
     plugins = sub.add_parser(
         "plugins", help="list plugins, the platform, registries, hooks and interceptors"
     )
@@ -200,7 +206,8 @@ def _run(args: argparse.Namespace) -> int:
         from .actors.replicas import replica_members
 
         roles = [r for r in args.roles.split(",") if r]
-        roles += [r for i in range(1, args.dp_size) for r in replica_members(i)]
+        count = args.dp_size + args.prefill_replicas
+        roles += [r for i in range(1, count) for r in replica_members(i)]
         made = create_keys(args.dir, tuple(roles))
         print(f"actorlm: {len(made)} key pair(s) in {args.dir}")
         for path in made:

@@ -138,6 +138,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     router_cache_threshold: float = 0.5
     router_balance_abs: int = 32  # ... by more than this many requests ...
     router_balance_rel: float = 1.5  # ... and the busiest has more than this x the idlest's
+    # Prefill/decode disaggregation: replicas after the dp_size decode ones prefill only;
+    # a prompt with more uncached tokens than max_local_prefill_tokens is computed there
+    # and its KV pages shipped to the decode replica (messages/kv.py).
+    prefill_replicas: int = 0
+    max_local_prefill_tokens: int = 256
+    kv_transfer_timeout_s: float = 60.0  # a remote prefill not back by then fails
 
 
 class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):

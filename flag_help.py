@@ -88,6 +88,10 @@ FLAG_HELP: dict[str, str] = {
     "router_cache_threshold": "cache_aware: the longest cached prefix wins from this share of the prompt",
     "router_balance_abs": "cache_aware: loads are unbalanced when they differ by more than this ...",
     "router_balance_rel": "... and the busiest replica has more than this times the idlest's",
+    "prefill_replicas": "prefill-only replicas: long prompts are computed there, KV shipped back",
+    "max_local_prefill_tokens": "--prefill-replicas: prompts with at most this many uncached "
+    "tokens are prefilled on the decode replica itself",
+    "kv_transfer_timeout_s": "--prefill-replicas: a remote prefill not back by then fails",
     # structured output and reasoning
     "grammar_backend": "grammar backend: xgrammar, llguidance, none, or a plugin's",
     "grammar_fallback": "where a constraint the backend cannot compile goes: auto, none, a name",

@@ -19,7 +19,8 @@ A deployment file (TOML) places each actor for a disaggregated start::
 Other top-level tables ([scheduler], [cache], [server], [router], [deploy]) set the
 same fields as the CLI flags. Data-parallel replicas (``[router] dp_size = 2``) name
 their members' tables ``[actors.scheduler.1]`` (TOML nests them; they are read as the
-role ``scheduler.1``), and so on for ``cache_manager.1`` and ``worker.1``.
+role ``scheduler.1``), and so on for ``cache_manager.1`` and ``worker.1``; prefill
+replicas (``[router] prefill_replicas = 1``) are numbered after them.
 """
 
 from __future__ import annotations
@@ -208,14 +209,21 @@ def _validate_router(config: EngineConfig) -> None:
         raise ConfigError("--router-cache-threshold must be in [0, 1], --router-balance-abs >= 0")
     if r.router_balance_rel < 1.0:
         raise ConfigError(f"--router-balance-rel {r.router_balance_rel} must be >= 1")
-    if r.dp_size > 1 and config.lora.enabled:
+    if (r.dp_size > 1 or r.prefill_replicas) and config.lora.enabled:
         raise ConfigError(
-            "--dp-size > 1 does not serve LoRA adapters yet (one lora_loader per worker)"
+            "--dp-size > 1 (or --prefill-replicas) does not serve LoRA adapters yet "
+            "(one lora_loader per worker)"
         )
+    if r.prefill_replicas < 0 or r.max_local_prefill_tokens < 0:
+        raise ConfigError("--prefill-replicas and --max-local-prefill-tokens must be >= 0")
+    if not r.kv_transfer_timeout_s > 0:
+        raise ConfigError("--kv-transfer-timeout-s must be > 0")
     cpus = config.deploy.worker_cpus
-    if cpus and len(cpus) != r.dp_size:
+    replicas = r.dp_size + r.prefill_replicas
+    if cpus and len(cpus) != replicas:
         raise ConfigError(
-            f"--worker-cpus names {len(cpus)} CPU sets for --dp-size {r.dp_size}: give one per replica"
+            f"--worker-cpus names {len(cpus)} CPU sets for {replicas} replica(s) "
+            "(--dp-size plus --prefill-replicas): give one per replica"
         )
     for spec in cpus:
         try:

@@ -17,7 +17,15 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from ..config import EngineConfig
-from ..messages.control import ErrorReply, FlushCache, GetInfo, GetStats, Info, Stats
+from ..messages.control import (
+    DrainReplica,
+    ErrorReply,
+    FlushCache,
+    GetInfo,
+    GetStats,
+    Info,
+    Stats,
+)
 from ..messages.envelope import Envelope
 from ..messages.errors import HTTP_STATUS, CallErrorCode, ErrorCode, code_for_status
 from ..messages.generate import (
@@ -34,7 +42,7 @@ from ..messages.lora import (
     LoraAdapterList,
     UnloadLoraAdapter,
 )
-from .replicas import replica_members, replica_role
+from .replicas import replica_count, replica_members, replica_role
 from .runtime import Actor, ActorError, handles
 
 __all__ = [
@@ -55,15 +63,15 @@ def pipeline_roles(config: EngineConfig) -> tuple[str, ...]:
     """The actors ``config`` runs: the pipeline (each data-parallel replica's scheduler,
     cache manager and worker), and the lora_loader when LoRA is on."""
     roles: tuple[str, ...] = PIPELINE_ROLES
-    if config.router.dp_size > 1:
-        extra = range(1, config.router.dp_size)
-        roles = (*PIPELINE_ROLES, *(r for i in extra for r in replica_members(i)))
+    extra = range(1, replica_count(config.router))
+    roles = (*PIPELINE_ROLES, *(r for i in extra for r in replica_members(i)))
     return (*roles, LORA_ROLE) if config.lora.enabled else roles
 
 
 def blocking_down(config: EngineConfig, down: set[str]) -> list[str]:
     """The roles down now that stop every request: any pipeline actor of the single
-    pipeline; with replicas, the tokenizer, or some member of every replica."""
+    pipeline; with replicas, the tokenizer, or some member of every replica. A prefill
+    replica stops nothing: its decode replicas prefill themselves while it is down."""
     if config.router.dp_size <= 1:
         return sorted(set(PIPELINE_ROLES) & down)
     replicas = [set(replica_members(i)) & down for i in range(config.router.dp_size)]
@@ -182,7 +190,7 @@ class EngineClient:
     async def flush_cache(self) -> bool:
         """Flush every replica's prefix cache; True if each was flushed whole."""
         ok = True
-        for i in range(max(1, self.actor.config.router.dp_size)):
+        for i in range(replica_count(self.actor.config.router)):
             role = replica_role("cache_manager", i)
             reply = await self.actor.request(role, FlushCache(), timeout=30)
             ok = ok and bool(getattr(reply, "ok", False))
@@ -233,6 +241,11 @@ class EngineClient:
         reply = await self.actor.request(LORA_ROLE, ListLoraAdapters(), timeout=10)
         assert isinstance(reply, LoraAdapterList)
         return [a for a in reply.adapters if not a.unloading]
+
+    async def drain_replica(self, replica: int, drain: bool = True) -> int:
+        """Take data-parallel replica ``replica`` out of the router (or back); its load."""
+        reply = await self.actor.request(self.tokenizer, DrainReplica(replica=replica, drain=drain))
+        return int(reply.values["load"]) if isinstance(reply, Info) else 0
 
     async def info(self, role: str = "worker") -> dict[str, Any]:
         reply = await self.actor.request(role, GetInfo(), timeout=10)

@@ -5,15 +5,27 @@ the plain names (``scheduler``, ``cache_manager``, ``worker``), so one replica i
 exactly the single pipeline; replica ``i > 0`` suffixes them (``scheduler.1``, ...).
 Each member finds its partners by its own name: ``peer_of("scheduler.1", "worker")``
 is ``worker.1``.
+
+With prefill/decode disaggregation (``--prefill-replicas M``) the replicas numbered from
+``dp_size`` on are prefill replicas: the router never sends them requests, decode
+schedulers hand them prompts (``messages/kv.py``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import RouterConfig
+
 __all__ = [
     "REPLICA_ROLES",
     "base_role",
+    "is_prefill_role",
     "parse_cpus",
     "peer_of",
+    "prefill_schedulers",
+    "replica_count",
     "replica_index",
     "replica_members",
     "replica_role",
@@ -46,6 +58,20 @@ def peer_of(role: str, base: str) -> str:
 
 def replica_members(index: int) -> tuple[str, ...]:
     return tuple(replica_role(r, index) for r in REPLICA_ROLES)
+
+
+def replica_count(router: RouterConfig) -> int:
+    """Every replica: the data-parallel (decode) ones, then the prefill ones."""
+    return router.dp_size + router.prefill_replicas
+
+
+def prefill_schedulers(router: RouterConfig) -> list[str]:
+    return [replica_role("scheduler", i) for i in range(router.dp_size, replica_count(router))]
+
+
+def is_prefill_role(role: str, router: RouterConfig) -> bool:
+    """Whether ``role`` is a member of a prefill replica."""
+    return base_role(role) in REPLICA_ROLES and replica_index(role) >= router.dp_size
 
 
 def parse_cpus(spec: str) -> set[int]:

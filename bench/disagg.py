@@ -1,22 +1,30 @@
-"""Data-parallel replicas behind the router, per core: one replica against two.
+"""Replicas per core: one replica against two behind the router, and prefill/decode
+disaggregation against two colocated replicas.
 
 Each setup is an ``actorlm serve`` of the same model with every replica's worker pinned
-to a core of its own (``--worker-cpus``), driven with the same seeded shared-prefix
-workload (``bench/workloads.py``: groups of requests sharing a long system prompt) at
-one concurrency:
+to a core of its own (``--worker-cpus``), driven with a seeded workload
+(``bench/workloads.py``) at one concurrency. On the shared-prefix workload (groups of
+requests sharing a long system prompt):
 
 - ``one``: one replica, its worker on the first core;
 - ``cache_aware``: two replicas (first and second core) behind the cache-aware router;
 - ``round_robin``: the same two replicas, requests dealt in turn.
 
+On the long-prompt workload (random prompts of ``--long-input-len`` tokens):
+
+- ``colocated``: two replicas, each prefilling and decoding its own requests (least load);
+- ``pd``: one decode replica (first core) and one prefill replica (second core): prompts
+  with more than ``--max-local-prefill-tokens`` uncached tokens are prefilled there and
+  their KV shipped to the decode worker.
+
 The cache hit rate is the server's: prompt tokens served from a replica's prefix cache
 over prompt tokens asked, summed over replicas, for the measured requests only (the
-caches are flushed after the warm-up). Prefill/decode disaggregation is not built yet:
-this measures the data-parallel half of ``bench/disagg.py``'s brief.
+caches are flushed after the warm-up). "x first" compares each setup's output
+throughput with the first setup of its workload.
 
     flock /tmp/cpu.lock python bench/disagg.py --num-prompts 48 --concurrency 8
 
-Writes ``--out`` (JSON; default ``bench/results/disagg-dp.json``) and the Markdown
+Writes ``--out`` (JSON; default ``bench/results/disagg.json``) and the Markdown
 table beside it (``.md``, also printed).
 """
 
@@ -50,11 +58,13 @@ from bench.workloads import (  # noqa: E402
 
 __all__ = ["SETUPS", "hit_rate", "main", "parse_args"]
 
-# name → (replicas, router policy)
-SETUPS: dict[str, tuple[int, str]] = {
-    "one": (1, ""),
-    "cache_aware": (2, "cache_aware"),
-    "round_robin": (2, "round_robin"),
+# name → (decode replicas, router policy, prefill replicas, workload)
+SETUPS: dict[str, tuple[int, str, int, str]] = {
+    "one": (1, "", 0, "shared"),
+    "cache_aware": (2, "cache_aware", 0, "shared"),
+    "round_robin": (2, "round_robin", 0, "shared"),
+    "colocated": (2, "least_load", 0, "long"),
+    "pd": (1, "", 1, "long"),
 }
 
 
@@ -69,9 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--question-len", default="32:64")
     p.add_argument("--output-len", default="32")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--long-prompts", type=int, default=32, help="requests of the long workload")
+    p.add_argument("--long-input-len", default="1024:1536")
+    p.add_argument("--long-output-len", default="64")
+    p.add_argument("--max-local-prefill-tokens", type=int, default=256, help="pd: see serve")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "disagg-dp.json")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "disagg.json")
     return p.parse_args(argv)
 
 
@@ -104,13 +118,17 @@ def hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float:
 def run_setup(
     name: str, args: argparse.Namespace, model: Path, cpus: list[str], workload: Any, logs: Path
 ) -> dict[str, Any]:
-    replicas, policy = SETUPS[name]
+    replicas, policy, prefill, _ = SETUPS[name]
+    workers = cpus[: replicas + prefill]
     port = free_port("127.0.0.1", 31000)
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "actorlm.cli", "serve", "--model", str(model)]
-    argv += ["--port", str(port), "--dp-size", str(replicas), "--worker-cpus", *cpus[:replicas]]
+    argv += ["--port", str(port), "--dp-size", str(replicas), "--worker-cpus", *workers]
     if policy:
         argv += ["--router-policy", policy]
+    if prefill:
+        argv += ["--prefill-replicas", str(prefill)]
+        argv += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
     proc = EngineProcess(argv, {}, logs / f"{name}.log")
     try:
         asyncio.run(wait_ready(url, ("/health",), args.start_timeout, proc.alive))
@@ -146,31 +164,41 @@ def run_setup(
         r.output_tokens = r.server_output_tokens or 0
     summary = summarize(run.results, run.duration or None)
     router = {k: v for k, v in stats.get("tokenizer", {}).items() if k.startswith("router_")}
+    pd = {k: v for k, v in stats.get("scheduler", {}).items() if k.startswith("pd_")}
+    pd["kv_received_bytes"] = stats.get("worker", {}).get("kv_received_bytes", 0)
     return {
         "setup": name,
+        "workload": SETUPS[name][3],
         "replicas": replicas,
+        "prefill_replicas": prefill,
         "policy": policy or "-",
-        "worker_cpus": cpus[:replicas],
+        "worker_cpus": workers,
         "hit_rate": hit_rate(before, after),
         "router": router,
+        "pd": pd,
         "summary": summary,
         "requests": [r.to_json() for r in run.results],
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    base = next((r for r in rows if r["setup"] == "one"), None)
+    first: dict[str, float] = {}  # workload → the first setup's output throughput
     head = (
-        "| setup | replicas (cores) | policy | req/s | out tok/s | x one | TTFT p50 ms | "
-        "TTFT p99 ms | ITL p50 ms | ITL p99 ms | cache hit | failed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| workload | setup | replicas (cores) | policy | req/s | out tok/s | x first | "
+        "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | cache hit | failed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         s = r["summary"]
-        ratio = s["output_throughput"] / base["summary"]["output_throughput"] if base else 1.0
+        workload = r.get("workload", "shared")
+        base = first.setdefault(workload, s["output_throughput"])
+        ratio = s["output_throughput"] / base if base else 1.0
+        prefill = r.get("prefill_replicas", 0)
+        replicas = f"{r['replicas']}+{prefill}P" if prefill else str(r["replicas"])
         lines.append(
-            f"| {r['setup']} | {r['replicas']} ({','.join(r['worker_cpus'])}) | {r['policy']} | "
+            f"| {workload} | {r['setup']} | {replicas} ({','.join(r['worker_cpus'])}) | "
+            f"{r['policy']} | "
             f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {ratio:.2f} | "
             f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} | "
             f"{s['itl_ms']['p99']:.1f} | {r['hit_rate']:.1%} | {s['failed']} |"
@@ -192,18 +220,28 @@ def main(argv: list[str] | None = None) -> int:
         system_len=args.system_len,
         question_len=parse_range(args.question_len),
     )
-    workload = build_workload(tok, params)
+    long = WorkloadParams(
+        dataset="random",
+        num_prompts=args.long_prompts,
+        seed=args.seed,
+        input_len=parse_range(args.long_input_len),
+        output_len=parse_range(args.long_output_len),
+    )
+    workloads = {"shared": build_workload(tok, params), "long": build_workload(tok, long)}
     cpus = [c.strip() for c in args.cpus.split(",") if c.strip()]
     setups = [s for s in args.setups.split(",") if s]
     unknown = [s for s in setups if s not in SETUPS]
-    if unknown or any(SETUPS[s][0] > len(cpus) for s in setups):
+    if unknown or any(SETUPS[s][0] + SETUPS[s][2] > len(cpus) for s in setups):
         print(f"bench/disagg.py: unknown setups {unknown} or too few --cpus", file=sys.stderr)
         return 2
-    print(f"workload: {workload.describe()}", flush=True)
+    used = {SETUPS[s][3] for s in setups}
+    for key in sorted(used):
+        print(f"workload {key}: {workloads[key].describe()}", flush=True)
     logs = args.out.with_name(args.out.stem + "-logs")
     rows = []
     for name in setups:
         t = time.monotonic()
+        workload = workloads[SETUPS[name][3]]
         rows.append(run_setup(name, args, model, cpus, workload, logs))
         print(f"{name}: {time.monotonic() - t:.0f} s", flush=True)
     text = table(rows)
@@ -213,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine.describe(with_torch=False),
         "cpu_pressure": machine.cpu_pressure(),
         "model": str(model),
-        "workload": workload.describe(),
+        "workloads": {key: workloads[key].describe() for key in sorted(used)},
         "concurrency": args.concurrency,
         "runs": rows,
     }

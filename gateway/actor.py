@@ -25,7 +25,7 @@ from aiohttp import web
 from ..actors.client import ClientActor, EngineClient, pipeline_roles
 from ..actors.runtime import ActorError
 from ..config import EngineConfig
-from ..messages.control import StopDeployment
+from ..messages.control import RestartMembers, StopDeployment
 from ..messages.generate import FinishReason, TextDelta
 from .app import build_app
 from .params import ModelLimits
@@ -60,6 +60,8 @@ class GatewayActor(ClientActor):
         return f"http://{self.config.server.host}:{self.config.server.port}"
 
     async def on_start(self) -> None:
+        if self.runtime.options.supervisor:  # a launcher's child: it restarts replicas
+            self.state.restart_members = self._restart_members
         self._runner = web.AppRunner(
             build_app(self.state),
             handler_cancellation=True,
@@ -133,6 +135,17 @@ class GatewayActor(ClientActor):
             self.on_drain()
         else:
             self.runtime.stop_gracefully()
+
+    async def _restart_members(self, roles: list[str]) -> str:
+        """Have the supervisor restart ``roles``; "" once they are back, else why not."""
+        supervisor = self.runtime.options.supervisor
+        timeout = self.config.deploy.start_timeout_s + 10.0
+        msg = RestartMembers(roles=roles, reason="POST /drain_replica")
+        try:
+            reply = await self.request(supervisor, msg, timeout=timeout)
+        except ActorError as exc:
+            return str(exc)
+        return "" if getattr(reply, "ok", False) else str(getattr(reply, "detail", reply))
 
     async def before_stop(self) -> None:
         self.state.draining = True

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from . import lora, native, openai, openapi
+from . import lora, native, openai, openapi, replicas
 from .errors import ApiError, error_response
 from .metrics import CONTENT_TYPE_LATEST
 from .state import STATE, GatewayState
@@ -31,6 +31,8 @@ CONTROL_PATHS = frozenset(
     {
         "/abort_request",
         "/drain",
+        "/drain_replica",
+        "/resume_replica",
         "/flush_cache",
         "/load_lora_adapter",
         "/unload_lora_adapter",
@@ -135,6 +137,7 @@ def build_app(state: GatewayState) -> web.Application:
     app.add_routes(openai.routes())
     app.add_routes(native.routes())
     app.add_routes(lora.routes())
+    app.add_routes(replicas.routes())
     app.add_routes(openapi.routes())
     app.add_routes([web.get("/metrics", metrics)])
     return app

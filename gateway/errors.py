@@ -7,11 +7,16 @@ status, the message and a stable code.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-__all__ = ["ApiError", "error_payload", "error_response", "error_type"]
+from ..messages.errors import CallErrorCode
+
+if TYPE_CHECKING:
+    from ..actors.runtime import ActorError
+
+__all__ = ["ApiError", "error_payload", "error_response", "error_type", "from_actor_error"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -55,6 +60,15 @@ class ApiError(Exception):
 
     def payload(self) -> dict[str, Any]:
         return error_payload(self.status, self.message, self.code, self.param)
+
+
+def from_actor_error(exc: ActorError) -> ApiError:
+    """An actor's refusal as an answer with its 4xx/5xx status."""
+    status = exc.status if 400 <= exc.status < 600 else 500
+    # A handler's crash is no code a client can act on: the status's own name stands.
+    code = exc.code if exc.code is not CallErrorCode.HANDLER_ERROR else None
+    headers = {"Retry-After": "2"} if status == 503 else None
+    return ApiError(status, str(exc), code=code, headers=headers)
 
 
 def error_payload(

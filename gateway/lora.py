@@ -12,22 +12,13 @@ import msgspec
 from aiohttp import web
 
 from ..actors.runtime import ActorError
-from ..messages.errors import CallErrorCode
 from ..messages.lora import LoraAdapterInfo
 from .body import read_json
-from .errors import ApiError
+from .errors import ApiError, from_actor_error
 from .params import Fields
 from .state import STATE, GatewayState
 
 __all__ = ["adapter_card", "adapter_cards", "routes"]
-
-
-def _api_error(exc: ActorError) -> ApiError:
-    status = exc.status if 400 <= exc.status < 600 else 500
-    # A handler's crash is no code a client can act on: the status's own name stands.
-    code = exc.code if exc.code is not CallErrorCode.HANDLER_ERROR else None
-    headers = {"Retry-After": "2"} if status == 503 else None
-    return ApiError(status, str(exc), code=code, headers=headers)
 
 
 def _json(info: LoraAdapterInfo) -> dict[str, Any]:
@@ -47,7 +38,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     try:
         info = await client.load_lora(name, path, pinned)
     except ActorError as exc:
-        raise _api_error(exc) from None
+        raise from_actor_error(exc) from None
     message = f"LoRA adapter {name!r} loaded (rank {info.rank}, {', '.join(info.target_modules)})"
     return web.json_response({"success": True, "message": message, "adapter": _json(info)})
 
@@ -62,7 +53,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     try:
         info = await client.unload_lora(name)
     except ActorError as exc:
-        raise _api_error(exc) from None
+        raise from_actor_error(exc) from None
     message = f"LoRA adapter {name!r} unloaded"
     return web.json_response({"success": True, "message": message, "adapter": _json(info)})
 

@@ -97,6 +97,16 @@ class GatewayMetrics:
             "actorlm_prefix_cache_hit_rate", "Prefix cache hit rate", registry=r
         )
         self.ready = Gauge("actorlm_ready", "1 when every actor is ready", registry=r)
+        # Prefill/decode disaggregation (--prefill-replicas), summed over decode replicas.
+        self.pd = {
+            key: Gauge(f"actorlm_{key}", doc, registry=r)
+            for key, doc in (
+                ("pd_remote_prefills", "Prompts prefilled on a prefill replica, KV shipped"),
+                ("pd_local_prefills", "Prompts short enough to prefill on the decode replica"),
+                ("pd_transfer_failures", "Remote prefills that failed (lost transfer or replica)"),
+                ("pd_remote_in_flight", "Remote prefills not back yet"),
+            )
+        }
         # The lora_loader's counts (read from its stats, like the gauges above).
         self.lora = {
             key: Gauge(f"actorlm_lora_{key}", doc, registry=r)
@@ -129,6 +139,10 @@ class GatewayMetrics:
             (self.prefix_hit_rate, cache, "prefix_hit_rate"),
         ):
             value = _number(source.get(key))
+            if value is not None:
+                gauge.set(value)
+        for key, gauge in self.pd.items():
+            value = _number(sched.get(key))
             if value is not None:
                 gauge.set(value)
         lora = stats.get("lora_loader", {})

@@ -202,6 +202,11 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
         },
     }
     unload = {"type": "object", "required": ["lora_name"], "properties": load["properties"]}
+    replica = {
+        "type": "object",
+        "required": ["replica"],
+        "properties": {"replica": {"type": "integer"}, "restart": {"type": "boolean"}},
+    }
     lora = {
         f"{prefix}/{verb}_lora_adapter": _post(summary, schema, "done")
         for prefix in ("", "/v1")
@@ -231,6 +236,12 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
                     "responses": _answers("draining", 401),
                 }
             },
+            "/drain_replica": _post(
+                "take a data-parallel replica out of routing, finish what it runs, restart it",
+                replica,
+                "drained (and restarted)",
+            ),
+            "/resume_replica": _post("route to a drained replica again", replica, "resumed"),
             "/get_model_info": _get("model facts"),
             "/get_server_info": _get("version, readiness, config, actor stats"),
             "/health": {"get": {"summary": "readiness", "responses": _answers("ok", 503)}},

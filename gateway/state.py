@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,8 @@ class GatewayState:
     reserved: int = 0  # engine requests admitted and not finished
     # POST /drain: stop admitting at once, then stop the deployment (the gateway's own)
     request_stop: Callable[[str], None] | None = None
+    # POST /drain_replica: the launcher restarts these roles; "" when done, else why not
+    restart_members: Callable[[list[str]], Awaitable[str]] | None = None
     metrics: GatewayMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ from .errors import CallErrorCode
 
 __all__ = [
     "Ack",
+    "DrainReplica",
     "ErrorReply",
     "FlushCache",
     "GetInfo",
@@ -20,6 +21,7 @@ __all__ = [
     "Ping",
     "Pong",
     "Ready",
+    "RestartMembers",
     "Shutdown",
     "Stats",
     "StopDeployment",
@@ -76,6 +78,27 @@ class StopDeployment(Message, frozen=True, kw_only=True):
 
     TAG: ClassVar[str] = "ctl.stop_deployment"
     reason: str = ""
+
+
+class RestartMembers(Message, frozen=True, kw_only=True):
+    """member → supervisor (a request, answered with an Ack once every role is back
+    up, or with ``ok=False`` saying why not): stop ``roles`` and start them again at
+    once, as a planned restart (no backoff, not counted against ``--max-restarts``).
+    The gateway's ``POST /drain_replica`` restarts a drained replica this way."""
+
+    TAG: ClassVar[str] = "ctl.restart_members"
+    roles: list[str]
+    reason: str = ""
+
+
+class DrainReplica(Message, frozen=True, kw_only=True):
+    """client → tokenizer (a request, answered with an Info whose ``values`` hold the
+    replica's ``load``): the router sends ``replica`` nothing new while ``drain`` (its
+    requests in flight go on), and takes it back when ``drain`` is False."""
+
+    TAG: ClassVar[str] = "ctl.drain_replica"
+    replica: int
+    drain: bool = True
 
 
 class Ping(Message, frozen=True, kw_only=True):

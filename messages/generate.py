@@ -14,7 +14,7 @@ import msgspec
 from .base import Message
 from .errors import ErrorCode
 from .sampling import SamplingParams
-from .step import TopLogprob
+from .step import KVDest, TopLogprob
 
 __all__ = [
     "AbortRequest",
@@ -81,6 +81,9 @@ class TokenizedRequest(Message, frozen=True, kw_only=True):
     # The adapter's id (messages/lora.py), set by the scheduler once the lora_loader
     # resolved ``lora_path`` and holds a reference for the request; "" = the base model.
     lora_id: str = ""
+    # Prefill/decode disaggregation (messages/kv.py): set by a decode scheduler handing
+    # the prompt to a prefill replica, whose worker ships the KV pages there.
+    kv_dest: KVDest | None = None
 
 
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -13,6 +13,7 @@ from .sampling import SamplingParams
 __all__ = [
     "PENDING_TOKEN",
     "ForwardBatch",
+    "KVDest",
     "PageIO",
     "SeqError",
     "SeqInit",
@@ -41,6 +42,16 @@ class SeqInit(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []  # banned with stop_token_ids while under min_new_tokens
 
 
+class KVDest(msgspec.Struct, frozen=True, array_like=True):
+    """Where a prefilled prompt's KV goes: ``worker``'s pages ``page_ids`` take the pages
+    of the prompt's page table from ``start_page`` on (the decode side's cached prefix
+    ends there; a multiple of the page size, so the tables line up page for page)."""
+
+    worker: str
+    page_ids: list[int]
+    start_page: int
+
+
 class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     """One sequence's share of a step.
 
@@ -57,6 +68,8 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True):
     page_ids: list[int]
     sample: bool = True
     init: SeqInit | None = None
+    # A prefill replica's last chunk: after the pass, its pages go to this decode worker.
+    ship: KVDest | None = None
 
 
 class PageIO(msgspec.Struct, frozen=True, array_like=True):

@@ -45,6 +45,9 @@ def one_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["serve", "--dp-size", "2", "--worker-cpus", "0"], "give one per replica"),
         (["serve", "--dp-size", "2", "--worker-cpus", "0", "x"], "bad CPU list 'x'"),
         (["serve", "--dp-size", "2", "--enable-lora"], "does not serve LoRA adapters yet"),
+        (["serve", "--prefill-replicas", "-1"], "--prefill-replicas and"),
+        (["serve", "--prefill-replicas", "1", "--worker-cpus", "0"], "(--dp-size plus"),
+        (["serve", "--prefill-replicas", "1", "--kv-transfer-timeout-s", "0"], "must be > 0"),
         (["serve", "--router-balance-rel", "0.5"], "must be >= 1"),
         (["actor", "worker"], "give --deploy FILE"),
         (["actor", "worker", "--bind", "tcp://0.0.0.0:1"], "refusing to bind tcp://0.0.0.0:1"),
@@ -118,6 +121,9 @@ def test_keys_are_created_owner_only(tmp_path: Path) -> None:
     assert replicas.returncode == 0 and "6 key pair(s)" in replicas.stdout, replicas.stdout
     made = {p.name for p in folder.glob("*.key")}
     assert {f"{r}.{i}.key" for r in ("scheduler", "cache_manager", "worker") for i in (1, 2)} < made
+    prefill = actorlm("keys", str(folder), "--dp-size", "3", "--prefill-replicas", "1")
+    assert prefill.returncode == 0, prefill.stderr
+    assert "worker.3.key" in {p.name for p in folder.glob("*.key")}  # the prefill replica's
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])

@@ -148,7 +148,7 @@ def test_a_killed_actor_is_noticed_and_rejoins(split: Split, role: str) -> None:
     assert stats["consistent"] and stats["running_requests"] == 0 and stats["pages_private"] == 0
 
 
-def _raw_push(address: str, keys: Path | None) -> Any:
+def _raw_push(address: str, keys: Path | None, server: str = "tokenizer") -> Any:
     import zmq
     import zmq.auth
 
@@ -157,7 +157,7 @@ def _raw_push(address: str, keys: Path | None) -> Any:
         sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(
             keys / "client.key_secret"
         )
-        sock.curve_serverkey, _ = zmq.auth.load_certificate(keys / "tokenizer.key")
+        sock.curve_serverkey, _ = zmq.auth.load_certificate(keys / f"{server}.key")
     sock.connect(address)
     return sock
 

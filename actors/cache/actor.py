@@ -32,6 +32,7 @@ from ...extensions.points import HICACHE_STORAGE
 from ...messages.cache import CacheEvents, CacheStep, CacheStepResult
 from ...messages.control import Ack, FlushCache
 from ...messages.envelope import Envelope
+from ..replicas import replica_index
 from ..runtime import Actor, ActorError, handles
 from .blocks import BlockEvents
 from .hicache import HiCacheStorage, storage_model_id
@@ -47,8 +48,11 @@ class CacheManagerActor(Actor):
     role = "cache_manager"
 
     async def on_start(self) -> None:
-        # Only a router reads them: one replica records none.
-        self.events = BlockEvents() if self.config.router.dp_size > 1 else None
+        # Only a router reads them, and it routes to the data-parallel replicas alone.
+        routed = (
+            self.config.router.dp_size > 1 and replica_index(self.role) < self.config.router.dp_size
+        )
+        self.events = BlockEvents() if routed else None
         self.kv = self._new_cache()
         self.storage: HiCacheStorage | None = open_storage(self.config)
         self.tier: HiCacheTier | None = None

@@ -29,6 +29,7 @@ class Replica:
     index: int
     blocks: set[int] = field(default_factory=set)  # its prefix tree's pages, by chained hash
     down: set[str] = field(default_factory=set)  # its members that are down now
+    draining: bool = False  # taken out of routing (POST /drain_replica)
     load: int = 0  # routed, not finished
     routed: int = 0  # in all
 
@@ -51,7 +52,7 @@ class Router:
 
     def route(self, rid: str, token_ids: Sequence[int]) -> str | None:
         """The scheduler role that takes ``rid``, or None when no replica is up."""
-        up = [r for r in self.replicas if not r.down]
+        up = [r for r in self.replicas if not (r.down or r.draining)]
         if not up:
             return None
         hashes: list[int] = []
@@ -104,6 +105,21 @@ class Router:
             self.finish(rid)
         return lost
 
+    def drain(self, index: int, drain: bool = True) -> int:
+        """Route nothing new to replica ``index`` while ``drain`` (or again, once False);
+        its load: requests routed there and not finished. ValueError for a bad index, or
+        for draining the last replica that takes requests."""
+        if not 0 <= index < len(self.replicas):
+            raise ValueError(f"no replica {index}: there are {len(self.replicas)} (0 to n-1)")
+        replica = self.replicas[index]
+        others = [r for r in self.replicas if r is not replica and not r.draining]
+        if drain and not replica.draining and not others:
+            raise ValueError(
+                f"replica {index} is the last one taking requests: drain it with /drain"
+            )
+        replica.draining = drain
+        return replica.load
+
     def member_up(self, role: str) -> None:
         index = replica_index(role)
         if index < len(self.replicas):
@@ -115,6 +131,7 @@ class Router:
             "router_routed": [r.routed for r in self.replicas],
             "router_load": [r.load for r in self.replicas],
             "router_cached_blocks": [len(r.blocks) for r in self.replicas],
+            "router_draining": [r.index for r in self.replicas if r.draining],
         }
         decisions = getattr(self.policy, "decisions", None)
         if isinstance(decisions, dict):

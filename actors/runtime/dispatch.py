@@ -263,7 +263,10 @@ class ActorRuntime:
         period = self.options.heartbeat_s
         last = time.monotonic()
         while True:
-            for role in [r for r in self.book if r != self.role]:
+            # An inproc peer known dead is not beaten (a send to it would wait until it
+            # is back): it comes back up by the first message it sends.
+            down = {r for r in self.peers.down if self.book.get(r, "").startswith("inproc://")}
+            for role in [r for r in self.book if r != self.role and r not in down]:
                 with contextlib.suppress(ActorError):
                     await self._emit(role, beat, Kind.SEND, next(self._ids))
             await asyncio.sleep(period)

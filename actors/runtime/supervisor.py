@@ -40,7 +40,15 @@ import msgspec
 
 from ...config import EngineConfig
 from ...messages.base import Message
-from ...messages.control import PeerDown, PeerUp, Ready, Shutdown, StopDeployment
+from ...messages.control import (
+    Ack,
+    PeerDown,
+    PeerUp,
+    Ready,
+    RestartMembers,
+    Shutdown,
+    StopDeployment,
+)
 from ...messages.envelope import Envelope
 from .child import ACTOR_ROLES, ChildSpec, build_actor, run_actor
 from .dispatch import Actor, ActorError, ActorRuntime, RuntimeOptions, handles
@@ -89,6 +97,7 @@ class _Member:
     recent: list[float] = field(default_factory=list)  # restart times within the window
     ready_at: float = 0.0  # when the current incarnation said READY (0: not yet)
     quick_deaths: int = 0  # deaths in a row within STABLE_LIFE_S of a start
+    planned: bool = False  # stopping for a restart asked for (RestartMembers): not a failure
 
 
 class _SupervisorActor(Actor):
@@ -123,6 +132,20 @@ class _SupervisorActor(Actor):
             return
         log.info("%s asked to stop the deployment: %s", env.sender, msg.reason)
         stop()
+
+    @handles(RestartMembers)
+    async def on_restart_members(self, msg: RestartMembers, env: Envelope) -> Ack:
+        if env.sender not in self.launcher.members:
+            raise PermissionError(f"{env.sender} is not a member of this deployment")
+        unknown = [r for r in msg.roles if r not in self.launcher.members or r == env.sender]
+        if unknown:
+            return Ack(ok=False, detail=f"cannot restart {', '.join(unknown)}")
+        log.info("%s asked to restart %s: %s", env.sender, ", ".join(msg.roles), msg.reason)
+        try:
+            await self.launcher.restart(msg.roles)
+        except StartupError as exc:
+            return Ack(ok=False, detail=str(exc))
+        return Ack()
 
 
 class Launcher:
@@ -188,6 +211,28 @@ class Launcher:
 
     def info(self, role: str) -> dict[str, Any]:
         return self.members[role].info
+
+    async def restart(self, roles: list[str]) -> None:
+        """Stop ``roles`` (each asked to shut down, killed if it has not within 5 s) and
+        start them again at once, as after a death but planned: no backoff, not counted.
+        Returns when every one is back and READY (StartupError if one is not)."""
+        members = [self.members[r] for r in roles]
+        old = {m.role: m.incarnation for m in members}
+        for member in members:
+            member.planned = True
+            with contextlib.suppress(Exception):
+                await self._supervisor.send(member.role, Shutdown(reason="restart asked for"))
+        kill_at = time.monotonic() + 5.0
+        deadline = kill_at + self.config.deploy.start_timeout_s
+        for member in members:
+            while member.incarnation == old[member.role] or not member.alive:
+                now = time.monotonic()
+                if now > deadline:
+                    raise StartupError(f"{member.role} did not come back after its restart")
+                if now > kill_at and member.incarnation == old[member.role] and member.alive:
+                    self._kill(member)
+                    kill_at = float("inf")
+                await asyncio.sleep(0.05)
 
     async def start(self, timeout: float | None = None) -> None:
         self._tasks.append(asyncio.create_task(self._supervisor.serve(), name="supervisor"))
@@ -317,6 +362,9 @@ class Launcher:
     def _restart_delay(self, member: _Member) -> float | None:
         """Seconds to wait before restarting ``member``, or None: leave it down."""
         deploy = self.config.deploy
+        if member.planned:
+            member.planned = False
+            return 0.0
         if deploy.restart_policy == "never":
             return None
         now = time.monotonic()
@@ -337,11 +385,14 @@ class Launcher:
 
     async def _handle_death(self, member: _Member, reason: str) -> None:
         dead = PeerDown(role=member.role, reason=reason, incarnation=member.incarnation)
+        await self._supervisor._peer_down(dead)  # nothing more is sent to it until it is back
         await self._broadcast(dead, exclude=member.role)
+        planned = member.planned
         delay = self._restart_delay(member)
         if self._stopping or delay is None:
             return
-        member.recent.append(time.monotonic())
+        if not planned:
+            member.recent.append(time.monotonic())
         member.restarts += 1
         log.warning("restarting %s in %.1fs (restart %d)", member.role, delay, member.restarts)
         await asyncio.sleep(delay)

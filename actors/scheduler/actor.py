@@ -17,6 +17,14 @@ With LoRA a request naming an adapter first gets a reference from the lora_loade
 changed), then waits in the queue until its adapter is in a worker slot. When the
 loader dies, every request holding a reference ends with a 503: its successor knows
 none of them.
+
+With prefill replicas (``--prefill-replicas``, ``messages/kv.py``) a decode replica's
+scheduler hands a long fresh prompt, once admitted here, to a prefill replica's
+scheduler (the least busy one up), after telling its own worker which pages to expect.
+The prefill worker ships the pages to ours, which says so (``KVArrived``); the request
+then decodes here. A prefill replica's error, a member of it going down, or no KV by
+``--kv-transfer-timeout-s`` ends the request at once and its pages come back. A prefill
+replica's scheduler is a plain scheduler: the requests it gets name their ``kv_dest``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -41,16 +51,23 @@ from ...messages.generate import (
     TokenizedRequest,
 )
 from ...messages.grammar import CompileGrammar, GrammarCompiled
+from ...messages.kv import ExpectKV, KVArrived, KVDest
 from ...messages.lora import LoraSlotsChanged, LoraStepResult
 from ...messages.step import ForwardBatch, StepResult
-from ..replicas import peer_of
+from ..replicas import is_prefill_role, peer_of, prefill_schedulers, replica_index
 from ..runtime import Actor, ActorError, handles
 from .adapters import AdapterGate
-from .policy import BatchPlanner, Refusal
+from .policy import BatchPlanner, Refusal, Req
 
 __all__ = ["SchedulerActor"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Remote:
+    target: str  # the prefill scheduler computing the prompt
+    deadline: float  # monotonic: its KV must have arrived by then
 
 
 class SchedulerActor(Actor):
@@ -79,7 +96,12 @@ class SchedulerActor(Actor):
         self.max_queue_time = cfg.scheduler.max_queue_time_s or cfg.deploy.request_timeout_s
         self.overlap = not cfg.scheduler.disable_overlap_schedule
         self.gate = AdapterGate() if cfg.lora.enabled else None
+        decode = replica_index(self.role) < cfg.router.dp_size
+        self.prefill = prefill_schedulers(cfg.router) if decode else []
+        self.remote_at: dict[str, _Remote] = {}  # rid → where its prompt is computed
         self.spawn(self._loop(), name="scheduler-loop")
+        if self.prefill:
+            self.spawn(self._remote_watchdog(), name="remote-prefill-watchdog")
 
     # This replica's partners (``actors.replicas``): scheduler.1 steps worker.1 alone.
     @property
@@ -103,6 +125,7 @@ class SchedulerActor(Actor):
             "running": len(self.planner.running),
             "queued": len(self.planner.waiting),
             "compiling": len(self.planner.compiling),
+            "pd_remote_in_flight": len(self.planner.remote),
             **self.planner.stats,
             **lora,
         }
@@ -177,6 +200,10 @@ class SchedulerActor(Actor):
 
     @handles(AbortRequest)
     async def on_abort(self, msg: AbortRequest, env: Envelope) -> None:
+        remote = self.remote_at.pop(msg.rid, None)
+        if remote is not None:  # it stops there too
+            with contextlib.suppress(ActorError):
+                await self.send(remote.target, AbortRequest(rid=msg.rid, reason=msg.reason))
         waiting = self.gate.abort(msg.rid) if self.gate is not None else None
         if waiting is not None:
             req = waiting[0]
@@ -186,6 +213,83 @@ class SchedulerActor(Actor):
             await self._emit([delta])
         elif self.planner.abort(msg.rid, msg.reason):
             self._wake.set()
+
+    # -- prefill/decode disaggregation -----------------------------------------------
+    def _prefill_target(self) -> str | None:
+        """The least busy prefill scheduler whose replica is whole, or None."""
+        down = self.runtime.down
+        up = [
+            p
+            for p in self.prefill
+            if not {p, peer_of(p, "worker"), peer_of(p, "cache_manager")} & down
+        ]
+        if not up:
+            return None
+        busy = [r.target for r in self.remote_at.values()]
+        return min(up, key=busy.count)
+
+    async def _remote_prefill(self, req: Req, target: str) -> None:
+        """Have ``target`` compute ``req``'s prompt into the pages admitted for it here."""
+        rid, cfg = req.rid, self.config
+        start = req.computed // cfg.model.page_size  # the cached prefix ends on a page
+        dest = req.pages[start : self.planner.pages_for(req.prompt_len)]
+        try:
+            await self.request(self.worker, ExpectKV(rid=rid, page_ids=dest))
+            if self.planner.remote.get(rid) is not req:
+                return  # ended meanwhile
+            sampling = msgspec.structs.replace(req.params, max_new_tokens=1)
+            kv_dest = KVDest(self.worker, dest, start)
+            await self.send(
+                target, msgspec.structs.replace(req.request, sampling=sampling, kv_dest=kv_dest)
+            )
+        except ActorError as exc:
+            await self._remote_failed(rid, f"the prefill could not be started: {exc}")
+
+    async def _remote_watchdog(self) -> None:
+        """Ends remote prefills past their deadline, and forgets (and stops) those whose
+        request ended here some other way (a lost pool, a failed cache step)."""
+        limit = self.config.router.kv_transfer_timeout_s
+        while True:
+            await asyncio.sleep(min(0.5, limit))
+            now = time.monotonic()
+            for rid, remote in list(self.remote_at.items()):
+                if rid not in self.planner.remote:
+                    await self._remote_failed(rid, "", abort=True)  # already ended
+                elif now > remote.deadline:
+                    why = f"the prompt's KV did not arrive within {limit:g}s (--kv-transfer-timeout-s)"
+                    await self._remote_failed(rid, why, abort=True)
+
+    async def _remote_failed(
+        self, rid: str, why: str, code: ErrorCode = ErrorCode.UNAVAILABLE, *, abort: bool = False
+    ) -> None:
+        remote = self.remote_at.pop(rid, None)
+        if self.planner.remote_failed(rid, why, code):
+            log.warning("remote prefill of %s failed: %s", rid, why)
+            self._wake.set()
+        if abort and remote is not None:
+            with contextlib.suppress(ActorError):
+                await self.send(remote.target, AbortRequest(rid=rid))
+
+    @handles(KVArrived)
+    async def on_kv_arrived(self, msg: KVArrived, env: Envelope) -> None:
+        if env.sender != self.worker:
+            raise PermissionError(f"{env.sender} is not this scheduler's worker")
+        if msg.error:
+            await self._remote_failed(msg.rid, msg.error, ErrorCode.INTERNAL, abort=True)
+            return
+        self.remote_at.pop(msg.rid, None)
+        if self.planner.remote_done(msg.rid, msg.token_id, msg.logprob, msg.top_logprobs):
+            self._wake.set()
+
+    @handles(TokenBatch)
+    async def on_prefill_deltas(self, msg: TokenBatch, env: Envelope) -> None:
+        """A prefill replica's outputs: only its errors matter here (its token comes
+        with the KV)."""
+        for delta in msg.items:
+            remote = self.remote_at.get(delta.rid)
+            if delta.error and remote is not None and remote.target == env.sender:
+                why = f"the prefill replica failed: {delta.error}"
+                await self._remote_failed(delta.rid, why, delta.error_code or ErrorCode.INTERNAL)
 
     @handles(FinishRequest)
     async def on_finish(self, msg: FinishRequest, env: Envelope) -> None:
@@ -216,6 +320,12 @@ class SchedulerActor(Actor):
             else:
                 self.planner.fail_all(f"the {role} actor died ({reason})", ErrorCode.UNAVAILABLE)
             self._wake.set()
+            return
+        if is_prefill_role(role, self.config.router):
+            lost = replica_index(role)
+            for rid, remote in list(self.remote_at.items()):
+                if replica_index(remote.target) == lost:
+                    await self._remote_failed(rid, f"the prefill replica's {role} died ({reason})")
             return
         # A tokenizer (or a client it forwards for) is gone: nobody reads those outputs.
         orphans = [rid for rid, owner in self.reply_to.items() if owner == role]
@@ -393,6 +503,10 @@ class SchedulerActor(Actor):
         if ops is None:
             return False
         ops = msgspec.structs.replace(ops, pool_epoch=self.pool_epoch)
+        target = self._prefill_target() if ops.admits and self.prefill else None
+        planner.remote_threshold = (
+            None if target is None else self.config.router.max_local_prefill_tokens
+        )
         try:
             result = await self.request(self.cache_manager, ops)
         except ActorError as exc:
@@ -401,4 +515,10 @@ class SchedulerActor(Actor):
             return True
         assert isinstance(result, CacheStepResult)
         planner.apply_cache(result)
+        deadline = time.monotonic() + self.config.router.kv_transfer_timeout_s
+        for req in planner.take_remote():
+            assert target is not None
+            target = self._prefill_target() or target
+            self.remote_at[req.rid] = _Remote(target, deadline)  # the next pick counts it
+            self.spawn(self._remote_prefill(req, target), name=f"prefill-{req.rid}")
         return bool(result.admitted or ops.finishes or ops.releases or ops.commits)

@@ -18,6 +18,11 @@ zombie: its pages are kept until that step is back, and its extra token is dropp
 so the tokens delivered are the same with overlap on or off. Nothing is retracted
 while a step is in flight: a refused page waits for the next plain step.
 
+Prefill/decode disaggregation (``remote_threshold`` set): a fresh prompt with more
+uncached tokens than that is admitted (its pages taken here) but computed on a prefill
+replica; it waits in ``remote`` until its KV has arrived (``remote_done``), then
+decodes here as if it had prefilled here, or ends (``remote_failed``).
+
 A constrained request (structured output) is *held* from arrival until its grammar
 is compiled (``grammar_ready``) or cannot be (``grammar_failed``): it takes no batch
 slot and no page, and no one waits behind it.
@@ -147,6 +152,10 @@ class BatchPlanner:
         self._hold_admission = False
         # LoRA: adapters in a worker slot now; a request for any other waits (adapters.py).
         self.ready_adapters: set[str] = set()
+        # Disaggregation: None = every prompt is computed here (no prefill replica up).
+        self.remote_threshold: int | None = None
+        self.remote: dict[str, Req] = {}  # admitted; its prompt computed elsewhere
+        self._to_remote: list[Req] = []
         self.stats = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
@@ -154,6 +163,9 @@ class BatchPlanner:
             "retractions": 0,
             "steps": 0,
             "zombies": 0,  # requests that ended with a step still in flight (overlap)
+            "pd_remote_prefills": 0,  # prompts computed on a prefill replica
+            "pd_local_prefills": 0,  # prompts computed here while one was up (short enough)
+            "pd_transfer_failures": 0,
         }
 
     # -- requests in and out --------------------------------------------------
@@ -219,7 +231,11 @@ class BatchPlanner:
         self, rid: str, reason: FinishReason = FinishReason.ABORT, *, notify: bool = True
     ) -> bool:
         req = self.waiting.pop(rid, None) or self.compiling.pop(rid, None)
-        if req is None:
+        if req is None and rid in self.remote:
+            req = self.remote.pop(rid)
+            self._releases.append(rid)  # its KV may never have come: nothing to cache
+            self._worker_release.append(rid)
+        elif req is None:
             req = self.running.pop(rid, None)
             if req is None:
                 return False
@@ -233,15 +249,16 @@ class BatchPlanner:
     ) -> None:
         """End every running (and waiting) request with an error; their KV is not cached."""
         queued = [*self.waiting.values(), *self.compiling.values()] if waiting else []
-        for req in list(self.running.values()) + queued:
+        for req in [*self.running.values(), *self.remote.values(), *queued]:
             self._deltas.append(self._delta(req, [], FinishReason.ERROR, error=message, code=code))
-            if req.rid in self.running:
+            if req.rid in self.running or req.rid in self.remote:
                 self._releases.append(req.rid)
                 self._worker_release.append(req.rid)
         for req in self._zombies.values():
             self._releases.append(req.rid)
             self._worker_release.append(req.rid)
         self.running.clear()
+        self.remote.clear()
         self._zombies.clear()
         self._flight.clear()  # its steps are not coming back
         if waiting:
@@ -283,12 +300,13 @@ class BatchPlanner:
     def requeue_running(self) -> None:
         """Every running request goes back to the queue, to be computed again from its
         tokens (prompt and outputs so far) on the next pool: its stream goes on."""
-        for req in sorted(self.running.values(), key=lambda r: r.seq):
+        for req in sorted([*self.running.values(), *self.remote.values()], key=lambda r: r.seq):
             req.pages, req.computed, req.committed = [], 0, False
             req.needs_init, req.blocked, req.ahead, req.pending = True, False, 0, 0
             self.waiting[req.rid] = req
             self._worker_release.append(req.rid)
         self.running.clear()
+        self.remote.clear()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finishes or self._releases)
@@ -383,6 +401,10 @@ class BatchPlanner:
             req.cached_tokens = max(req.cached_tokens, adm.cached_len)
             self.stats["cached_tokens"] += adm.cached_len
             req.needs_init = True
+            if self._goes_remote(req):
+                self.remote[req.rid] = req
+                self._to_remote.append(req)
+                continue
             self.running[req.rid] = req
         for rid, table in result.committed.items():
             if rid in self.running:
@@ -400,6 +422,59 @@ class BatchPlanner:
             self._refused = True  # retract once the steps in flight are back
         elif refused:
             self._retract_one()
+
+    # -- prefill/decode disaggregation --------------------------------------------
+    def _goes_remote(self, req: Req) -> bool:
+        """Whether ``req``'s prompt is computed on a prefill replica (counted either way
+        while one is up): a fresh prompt with more uncached tokens than the threshold."""
+        if self.remote_threshold is None or req.num_output or req.request.lora_id:
+            return False
+        remote = len(req.ids) - req.computed > self.remote_threshold
+        self.stats["pd_remote_prefills" if remote else "pd_local_prefills"] += 1
+        return remote
+
+    def take_remote(self) -> list[Req]:
+        """The requests admitted for a remote prefill since the last call."""
+        out, self._to_remote = self._to_remote, []
+        return out
+
+    def remote_done(
+        self,
+        rid: str,
+        token: int,
+        logprob: float | None = None,
+        top: list[TopLogprob] | None = None,
+    ) -> bool:
+        """``rid``'s prompt KV is in its pages and ``token`` was its first sample: it
+        decodes here from now on. False if it ended meanwhile."""
+        req = self.remote.pop(rid, None)
+        if req is None:
+            return False
+        req.computed = len(req.ids)
+        req.ids.append(token)
+        if self.prefix_cache:
+            req.committed = True
+            self._commits.append(CommitOp(req.rid, req.ids[: req.computed]))
+        reason = self._finish_reason(req, token)
+        lps = [logprob] if logprob is not None else None
+        tops = [top] if top is not None else None
+        self._deltas.append(self._delta(req, [token], reason, logprobs=lps, top=tops))
+        if reason is None:
+            self.running[rid] = req
+        else:
+            self._end(req)
+        return True
+
+    def remote_failed(self, rid: str, message: str, code: ErrorCode) -> bool:
+        """``rid``'s remote prefill failed: it ends with that error, its pages go back."""
+        req = self.remote.pop(rid, None)
+        if req is None:
+            return False
+        self.stats["pd_transfer_failures"] += 1
+        self._deltas.append(self._delta(req, [], FinishReason.ERROR, error=message, code=code))
+        self._releases.append(rid)
+        self._worker_release.append(rid)
+        return True
 
     def _retract_one(self) -> None:
         """Out of pages mid-decode: requeue the newest running request. Its computed
@@ -424,8 +499,8 @@ class BatchPlanner:
         decodes = [r for r in self.running.values() if r.todo == 1]
         prefills = [r for r in self.running.values() if r.todo > 1]
         for req in decodes + prefills:
-            if req.blocked:
-                continue
+            if req.blocked or req.num_output + req.pending >= req.params.max_new_tokens:
+                continue  # refused a page, or its last token is in a step in flight
             remaining = req.todo
             chunk = 1 if remaining == 1 else min(remaining, budget)
             if chunk <= 0:
@@ -444,7 +519,9 @@ class BatchPlanner:
             table = req.pages[: self.pages_for(end)]
             sample = end == len(req.ids) + req.pending
             ids = req.ids[start:end] if end <= len(req.ids) else [PENDING]
-            seqs.append(SeqStep(req.rid, ids, start, table, sample, init))
+            # a prefill replica's prompt: its pages go once it is computed
+            ship = req.request.kv_dest if end == req.prompt_len else None
+            seqs.append(SeqStep(req.rid, ids, start, table, sample, init, ship))
             plan[req.rid] = (chunk, sample)
         release, self._worker_release = self._worker_release, []
         if not seqs:

@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 
 from ...config import EngineConfig
 from ...messages.cache import CacheEvents
-from ...messages.control import ErrorReply, GetInfo, Info
+from ...messages.control import DrainReplica, ErrorReply, GetInfo, Info
 from ...messages.envelope import Envelope
-from ...messages.errors import ErrorCode, code_for_status
+from ...messages.errors import CallErrorCode, ErrorCode, code_for_status
 from ...messages.generate import (
     AbortRequest,
     FinishReason,
@@ -405,6 +405,20 @@ class TokenizerActor(Actor):
     async def on_cache_events(self, msg: CacheEvents, env: Envelope) -> None:
         if self.router is not None:
             self.router.on_events(env.sender, msg)
+
+    @handles(DrainReplica)
+    async def on_drain_replica(self, msg: DrainReplica, env: Envelope) -> Info:
+        """Take a replica out of routing (or back): its load says when it is drained."""
+        try:
+            if self.router is None:
+                raise ValueError("there is one replica (--dp-size 1): drain the server with /drain")
+            load = self.router.drain(msg.replica, msg.drain)
+        except ValueError as exc:
+            raise ActorError(str(exc), code=CallErrorCode.INVALID_REQUEST, status=400) from None
+        log.info(
+            "replica %d %s (%d in flight)", msg.replica, "draining" if msg.drain else "back", load
+        )
+        return Info(role=self.role, values={"load": load})
 
     # -- failures -------------------------------------------------------------
     async def on_error(self, env: Envelope, error: ErrorReply) -> None:

@@ -9,6 +9,11 @@ With LoRA enabled it also holds the adapter slots: ``LoadLoraSlot`` from the
 lora_loader copies an adapter's weights into one, off the loop and beside the forward
 pass in flight (the loader only hands out slots no running request uses). When the
 loader goes down its slots are emptied: the adapters in them are no longer known.
+
+With prefill/decode disaggregation (``messages/kv.py``) a prefill replica's worker sends
+a prompt's pages to a decode worker right after the pass that computed them, and a
+decode worker writes the pages it was told to expect (``kv_transfer``), then tells its
+scheduler. Pages are taken only from another worker's key.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ import msgspec
 import numpy as np
 
 from ...config import DEFAULT_MAX_LORA_RANK
-from ...messages.control import GetInfo, Info
+from ...messages.control import Ack, GetInfo, Info
 from ...messages.envelope import Envelope
 from ...messages.errors import ErrorCode
 from ...messages.grammar import CompileGrammar, GrammarCompiled
+from ...messages.kv import ExpectKV, KVArrived, KVPages
 from ...messages.lora import LoadLoraSlot
 from ...messages.step import ForwardBatch, PageIO, SeqError, StepResult
-from ..replicas import parse_cpus, peer_of, replica_index
-from ..runtime import RESTARTED, Actor, handles
+from ..replicas import base_role, parse_cpus, peer_of, replica_index
+from ..runtime import RESTARTED, Actor, ActorError, handles
+from .kv_transfer import Expected, pages_to_ship, write_pages
 
 if TYPE_CHECKING:
     from ...gpu.grammar.manager import GrammarSetup
@@ -66,6 +73,8 @@ class WorkerActor(Actor):
         self.lora_loads = 0
         self.steps = 0
         self.forward_ms = 0.0
+        self.kv_expected = Expected()
+        self.kv = {"kv_sent_bytes": 0, "kv_received_bytes": 0, "kv_dropped": 0}
 
     def ready_info(self) -> dict[str, Any]:
         from ...extensions.plugins import current_platform
@@ -85,6 +94,8 @@ class WorkerActor(Actor):
             "storage_corrupt": corrupt,
             "grammar_compiles": self.compiles,
             "lora_slot_loads": self.lora_loads,
+            **self.kv,
+            "kv_expected": len(self.kv_expected),
         }
 
     def _grammar_setup(self) -> GrammarSetup:
@@ -124,7 +135,21 @@ class WorkerActor(Actor):
                 )
         return GrammarSetup(context, think)
 
-    def _step(self, batch: ForwardBatch) -> StepResult:
+    def _step(self, batch: ForwardBatch) -> tuple[StepResult, list[tuple[str, KVPages]]]:
+        result = self._forward(batch)
+        if not any(s.ship for s in batch.seqs):
+            return result, []
+        sampled = {r.rid: r for r in result.results}
+        pool = self.runner.pool
+        ships = [
+            (s.ship.worker, msg)
+            for s in batch.seqs
+            if s.ship is not None and s.rid in sampled
+            for msg in pages_to_ship(pool, s, sampled[s.rid])
+        ]
+        return result, ships
+
+    def _forward(self, batch: ForwardBatch) -> StepResult:
         if not (batch.store_pages or batch.load_pages):
             return self.runner.forward(batch)
         lost = self._move_pages(batch)
@@ -172,6 +197,7 @@ class WorkerActor(Actor):
             async with self._lock:
                 self.runner.release_all()
                 self.grammars.release_all()
+                self.kv_expected.clear()
         if role == "lora_loader" and self.runner.lora is not None:
             # A step planned already keeps its slots; none planned from now on finds one.
             async with self._lora_lock:
@@ -196,11 +222,66 @@ class WorkerActor(Actor):
     @handles(ForwardBatch)
     async def on_forward(self, msg: ForwardBatch, env: Envelope) -> StepResult:
         async with self._lock:
-            result = await self.run_blocking(self._step, msg)
+            self.kv_expected.drop(msg.release)  # ended: a late transfer writes nothing now
+            result, ships = await self.run_blocking(self._step, msg)
         if len(msg.seqs) > len(result.errors):  # a forward pass ran
             self.steps += 1
         self.forward_ms += result.forward_ms
+        for dest, pages in ships:  # read out of the pool already: it may reuse them
+            try:
+                await self.send(dest, pages)
+            except ActorError as exc:  # its decode scheduler fails the request by itself
+                log.warning("cannot ship the KV of %s to %s: %s", pages.rid, dest, exc)
+                continue
+            self.kv["kv_sent_bytes"] += pages.kv.nbytes
         return result
+
+    # -- prefill/decode disaggregation: the decode side ---------------------------
+    @handles(ExpectKV)
+    async def on_expect_kv(self, msg: ExpectKV, env: Envelope) -> Ack:
+        if env.sender != peer_of(self.role, "scheduler"):
+            raise PermissionError(f"{env.sender} is not this worker's scheduler")
+        # No lock: nothing writes these pages before they are expected, and the release
+        # that ends the expectation comes in a later ForwardBatch.
+        self.kv_expected.expect(msg.rid, msg.page_ids)
+        return Ack()
+
+    @handles(KVPages)
+    async def on_kv_pages(self, msg: KVPages, env: Envelope) -> None:
+        if base_role(env.sender) != "worker":
+            log.warning(
+                "refused KV pages from %s: KV pages are taken from workers only", env.sender
+            )
+            return
+        expected = self.kv_expected
+        error = ""
+        async with self._lock:
+            if not expected.accepts(msg.rid, msg.page_ids):
+                self.kv["kv_dropped"] += 1
+                log.info(
+                    "KV pages of %s from %s: not expected (ended); dropped", msg.rid, env.sender
+                )
+                return
+            try:
+                await self.run_blocking(write_pages, self.runner.pool, msg)
+            except ValueError as exc:
+                expected.drop([msg.rid])
+                error = str(exc)
+            else:
+                expected.received(msg.rid, msg.page_ids)
+                self.kv["kv_received_bytes"] += msg.kv.nbytes
+                if not msg.last:
+                    return
+                if not expected.complete(msg.rid):
+                    error = "the KV transfer ended with pages missing"
+        arrived = KVArrived(
+            rid=msg.rid,
+            token_id=msg.token_id,
+            logprob=msg.logprob,
+            top_logprobs=msg.top_logprobs,
+            error=error,
+        )
+        await self.send(peer_of(self.role, "scheduler"), arrived)
 
     @handles(CompileGrammar)
     async def on_compile(self, msg: CompileGrammar, env: Envelope) -> GrammarCompiled:

@@ -23,7 +23,7 @@ def test_the_hit_rate_sums_every_replica_and_counts_only_the_run() -> None:
     assert hit_rate((1, 1), (1, 1)) == 0.0
 
 
-def test_the_table_compares_with_one_replica() -> None:
+def test_the_table_compares_each_workload_with_its_first_setup() -> None:
     def row(name: str, replicas: int, tokens: int) -> dict[str, object]:
         r = RequestResult(10, tokens, ok=True, start=0.0, end=1.0, ttft=0.1, itl=[0.01] * 3)
         r.output_tokens = tokens
@@ -36,9 +36,15 @@ def test_the_table_compares_with_one_replica() -> None:
             "summary": summarize([r], 1.0),
         }
 
-    text = table([row("one", 1, 100), row("cache_aware", 2, 190)])
-    assert "| one | 1 (0) | - | 1.00 | 100.0 | 1.00 |" in text
-    assert "| cache_aware | 2 (0,1) | - | 1.00 | 190.0 | 1.90 |" in text and "25.0%" in text
+    pd = {**row("pd", 1, 120), "workload": "long", "prefill_replicas": 1}
+    pd["worker_cpus"] = ["0", "1"]
+    rows = [row("one", 1, 100), row("cache_aware", 2, 190), row("colocated", 2, 100), pd]
+    rows[2]["workload"] = "long"
+    text = table(rows)
+    assert "| shared | one | 1 (0) | - | 1.00 | 100.0 | 1.00 |" in text
+    assert "| shared | cache_aware | 2 (0,1) | - | 1.00 | 190.0 | 1.90 |" in text
+    assert "| long | pd | 1+1P (0,1) | - | 1.00 | 120.0 | 1.20 |" in text  # x colocated
+    assert "25.0%" in text
 
 
 def test_help_runs() -> None:

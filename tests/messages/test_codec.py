@@ -226,7 +226,9 @@ def test_msgpack_reads_named_fields() -> None:
     assert body["messages"] == [{"role": "user", "content": "hi"}]  # omit_defaults drops name
     assert body["sampling"]["temperature"] == 0.5 and body["sampling"]["stop"] == ["\n"]
     step = ForwardBatch(step_id=4, seqs=[SeqStep("r1", [1, 2], 0, [9])])
-    assert msgpack.unpackb(frames_for(step)[1])["seqs"] == [["r1", [1, 2], 0, [9], True, None]]
+    assert msgpack.unpackb(frames_for(step)[1])["seqs"] == [
+        ["r1", [1, 2], 0, [9], True, None, None]
+    ]
 
 
 def test_finish_reasons_travel_as_their_plain_strings() -> None:

@@ -124,3 +124,23 @@ def test_a_policy_choosing_a_replica_that_is_down_is_an_error() -> None:
     r.member_down("worker.1")
     with pytest.raises(ValueError, match="chose replica 1"):
         r.route("a", PROMPT)
+
+
+def test_a_draining_replica_takes_nothing_new_until_it_is_back() -> None:
+    r = router("round_robin")
+    assert r.route("a", PROMPT) == "scheduler"
+    assert r.drain(0) == 1  # its load: "a" still runs there
+    assert [r.route(rid, PROMPT) for rid in "bcd"] == ["scheduler.1"] * 3
+    r.finish("a")
+    assert r.drain(0) == 0 and r.stats()["router_draining"] == [0]
+    with pytest.raises(ValueError, match="last one"):
+        r.drain(1)  # nothing would take requests
+    with pytest.raises(ValueError, match="no replica 2"):
+        r.drain(2)
+    assert r.drain(0, False) == 0 and r.stats()["router_draining"] == []
+    assert {r.route(rid, PROMPT) for rid in "ef"} == {"scheduler", "scheduler.1"}
+    # the cache-aware policy never picks a draining replica, even the one that cached it
+    aware = router()
+    cache(aware, 1, PROMPT[:16])
+    aware.drain(1)
+    assert aware.route("g", PROMPT) == "scheduler"

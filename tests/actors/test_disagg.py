@@ -1,0 +1,126 @@
+"""Prefill/decode disaggregation (``--prefill-replicas``) on real actors and ZMQ sockets
+(inproc, one event loop): a decode replica hands long prompts to a prefill replica whose
+worker ships the KV pages into the decode worker's pool. Greedy tokens and logprobs are
+those of a single worker, with and without a cached prefix on either side."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from actorlm import Engine
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+THRESHOLD = 16  # prompts with more uncached tokens than this are prefilled remotely
+
+
+def greedy(n: int, **extra: object) -> dict[str, object]:
+    return {**GREEDY, "max_new_tokens": n, **extra}
+
+
+def _engine(model: Path, **options: Any) -> Engine:
+    return Engine(str(model), placement="inproc", kv_cache_gb=0.02, dtype="float32", **options)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama: Path) -> Iterator[dict[str, Engine]]:
+    made: dict[str, Engine] = {}
+    try:
+        made["one"] = _engine(tiny_llama)
+        made["pd"] = _engine(tiny_llama, prefill_replicas=1, max_local_prefill_tokens=THRESHOLD)
+        yield made
+    finally:
+        for engine in made.values():
+            engine.close()
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+def pd_stats(engine: Engine) -> dict[str, Any]:
+    stats = engine.stats()
+    out = {k: v for k, v in stats["scheduler"].items() if k.startswith("pd_")}
+    out["sent"] = stats["worker.1"].get("kv_sent_bytes")  # None: down
+    out["received"] = stats["worker"]["kv_received_bytes"]
+    return out
+
+
+def test_a_prompt_prefilled_elsewhere_gives_the_tokens_of_one_worker(
+    engines: dict[str, Engine],
+) -> None:
+    one, pd = engines["one"], engines["pd"]
+    rng = random.Random(1)
+    prefix = _prompt(rng, 48)  # three pages
+    prompts = [_prompt(rng, n) for n in (17, 40, 90, 250)]
+    prompts += [prefix + _prompt(rng, 30), prefix + _prompt(rng, 60)]  # the second: cached
+    params = greedy(12, logprobs=True, top_logprobs=3)
+    before = pd_stats(pd)
+    for prompt in prompts:
+        want, got = one.generate(prompt, params), pd.generate(prompt, params)
+        assert got.token_ids == want.token_ids
+        # the first token's logprob and top alternatives came from the prefill replica
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t[1] for t in a.top] == [t[1] for t in b.top] and len(a.top) == 3
+    after = pd_stats(pd)
+    assert after["pd_remote_prefills"] - before["pd_remote_prefills"] == len(prompts)
+    assert after["pd_transfer_failures"] == before["pd_transfer_failures"]
+    assert after["received"] - before["received"] == after["sent"] - before["sent"] > 0
+    # the last prompt found the shared prefix cached here: only its tail was shipped
+    assert pd.generate(prefix + _prompt(rng, 30), greedy(1)).usage.cached_tokens == 48
+
+
+def test_conditional_disaggregation_takes_both_branches(engines: dict[str, Engine]) -> None:
+    pd = engines["pd"]
+    rng = random.Random(2)
+    long = _prompt(rng, 120)
+    before = pd_stats(pd)
+    pd.generate(_prompt(rng, THRESHOLD), greedy(4))  # short: prefilled on the decode worker
+    mid = pd_stats(pd)
+    assert mid["pd_local_prefills"] == before["pd_local_prefills"] + 1
+    assert mid["pd_remote_prefills"] == before["pd_remote_prefills"]
+    assert mid["sent"] == before["sent"]
+    out = pd.generate(long, greedy(4))  # long: remote
+    again = pd.generate(long[:-2] + [7, 8, 9], greedy(4))  # cached but for its tail: local
+    after = pd_stats(pd)
+    assert after["pd_remote_prefills"] == mid["pd_remote_prefills"] + 1
+    assert after["pd_local_prefills"] == mid["pd_local_prefills"] + 1
+    assert (
+        again.usage.cached_tokens >= 112
+        and out.token_ids == engines["one"].generate(long, greedy(4)).token_ids
+    )
+
+
+def test_a_prefill_replica_down_leaves_the_decode_replica_serving(tiny_llama: Path) -> None:
+    engine = _engine(
+        tiny_llama, prefill_replicas=1, max_local_prefill_tokens=0, restart_policy="never"
+    )
+    one = _engine(tiny_llama)
+    try:
+        rng = random.Random(3)
+        prompts = [_prompt(rng, 64) for _ in range(2)]
+        assert engine.generate(prompts[0], greedy(6)).token_ids == (
+            one.generate(prompts[0], greedy(6)).token_ids
+        )
+        assert pd_stats(engine)["pd_remote_prefills"] == 1
+        launcher = engine._launcher
+        assert launcher is not None
+        member = launcher.members["worker.1"]
+        assert member.runtime is not None
+        engine._loop.call_soon_threadsafe(member.runtime.stop)
+        deadline = time.monotonic() + 20
+        while pd_stats(engine)["sent"] is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        out = engine.generate(prompts[1], greedy(6))  # computed on the decode replica
+        assert out.token_ids == one.generate(prompts[1], greedy(6)).token_ids
+        stats = pd_stats(engine)
+        assert stats["pd_remote_prefills"] == 1 and stats["pd_transfer_failures"] == 0
+    finally:
+        engine.close()
+        one.close()
