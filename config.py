@@ -144,6 +144,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_replicas: int = 0
     max_local_prefill_tokens: int = 256
     kv_transfer_timeout_s: float = 60.0  # a remote prefill not back by then fails
+    # ... unless each prefill replica up holds this many already: then here (0: no limit)
+    max_prefill_queue: int = 0
 
 
 class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -92,6 +92,8 @@ FLAG_HELP: dict[str, str] = {
     "max_local_prefill_tokens": "--prefill-replicas: prompts with at most this many uncached "
     "tokens are prefilled on the decode replica itself",
     "kv_transfer_timeout_s": "--prefill-replicas: a remote prefill not back by then fails",
+    "max_prefill_queue": "--prefill-replicas: prompts a prefill replica holds at most "
+    "(0: no limit); past that, decode replicas prefill long prompts themselves",
     # structured output and reasoning
     "grammar_backend": "grammar backend: xgrammar, llguidance, none, or a plugin's",
     "grammar_fallback": "where a constraint the backend cannot compile goes: auto, none, a name",

@@ -214,8 +214,10 @@ def _validate_router(config: EngineConfig) -> None:
             "--dp-size > 1 (or --prefill-replicas) does not serve LoRA adapters yet "
             "(one lora_loader per worker)"
         )
-    if r.prefill_replicas < 0 or r.max_local_prefill_tokens < 0:
-        raise ConfigError("--prefill-replicas and --max-local-prefill-tokens must be >= 0")
+    if min(r.prefill_replicas, r.max_local_prefill_tokens, r.max_prefill_queue) < 0:
+        raise ConfigError(
+            "--prefill-replicas, --max-local-prefill-tokens and --max-prefill-queue must be >= 0"
+        )
     if not r.kv_transfer_timeout_s > 0:
         raise ConfigError("--kv-transfer-timeout-s must be > 0")
     cpus = config.deploy.worker_cpus

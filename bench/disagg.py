@@ -15,7 +15,9 @@ On the long-prompt workload (random prompts of ``--long-input-len`` tokens):
 - ``colocated``: two replicas, each prefilling and decoding its own requests (least load);
 - ``pd``: one decode replica (first core) and one prefill replica (second core): prompts
   with more than ``--max-local-prefill-tokens`` uncached tokens are prefilled there and
-  their KV shipped to the decode worker.
+  their KV shipped to the decode worker;
+- ``pd_queue2``: the same with ``--max-prefill-queue 2``: a long prompt is prefilled on
+  the decode replica while the prefill replica holds two already.
 
 The cache hit rate is the server's: prompt tokens served from a replica's prefix cache
 over prompt tokens asked, summed over replicas, for the measured requests only (the
@@ -58,13 +60,14 @@ from bench.workloads import (  # noqa: E402
 
 __all__ = ["SETUPS", "hit_rate", "main", "parse_args"]
 
-# name → (decode replicas, router policy, prefill replicas, workload)
-SETUPS: dict[str, tuple[int, str, int, str]] = {
-    "one": (1, "", 0, "shared"),
-    "cache_aware": (2, "cache_aware", 0, "shared"),
-    "round_robin": (2, "round_robin", 0, "shared"),
-    "colocated": (2, "least_load", 0, "long"),
-    "pd": (1, "", 1, "long"),
+# name → (decode replicas, router policy, prefill replicas, workload, --max-prefill-queue)
+SETUPS: dict[str, tuple[int, str, int, str, int]] = {
+    "one": (1, "", 0, "shared", 0),
+    "cache_aware": (2, "cache_aware", 0, "shared", 0),
+    "round_robin": (2, "round_robin", 0, "shared", 0),
+    "colocated": (2, "least_load", 0, "long", 0),
+    "pd": (1, "", 1, "long", 0),
+    "pd_queue2": (1, "", 1, "long", 2),
 }
 
 
@@ -118,7 +121,7 @@ def hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float:
 def run_setup(
     name: str, args: argparse.Namespace, model: Path, cpus: list[str], workload: Any, logs: Path
 ) -> dict[str, Any]:
-    replicas, policy, prefill, _ = SETUPS[name]
+    replicas, policy, prefill, _, queue = SETUPS[name]
     workers = cpus[: replicas + prefill]
     port = free_port("127.0.0.1", 31000)
     url = f"http://127.0.0.1:{port}"
@@ -129,6 +132,7 @@ def run_setup(
     if prefill:
         argv += ["--prefill-replicas", str(prefill)]
         argv += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
+        argv += ["--max-prefill-queue", str(queue)]
     proc = EngineProcess(argv, {}, logs / f"{name}.log")
     try:
         asyncio.run(wait_ready(url, ("/health",), args.start_timeout, proc.alive))

@@ -103,6 +103,10 @@ class GatewayMetrics:
             for key, doc in (
                 ("pd_remote_prefills", "Prompts prefilled on a prefill replica, KV shipped"),
                 ("pd_local_prefills", "Prompts short enough to prefill on the decode replica"),
+                (
+                    "pd_local_busy",
+                    "Long prompts prefilled on the decode replica: prefill queues full",
+                ),
                 ("pd_transfer_failures", "Remote prefills that failed (lost transfer or replica)"),
                 ("pd_remote_in_flight", "Remote prefills not back yet"),
             )

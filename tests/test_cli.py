@@ -45,7 +45,7 @@ def one_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["serve", "--dp-size", "2", "--worker-cpus", "0"], "give one per replica"),
         (["serve", "--dp-size", "2", "--worker-cpus", "0", "x"], "bad CPU list 'x'"),
         (["serve", "--dp-size", "2", "--enable-lora"], "does not serve LoRA adapters yet"),
-        (["serve", "--prefill-replicas", "-1"], "--prefill-replicas and"),
+        (["serve", "--prefill-replicas", "-1"], "--prefill-replicas, --max-local"),
         (["serve", "--prefill-replicas", "1", "--worker-cpus", "0"], "(--dp-size plus"),
         (["serve", "--prefill-replicas", "1", "--kv-transfer-timeout-s", "0"], "must be > 0"),
         (["serve", "--router-balance-rel", "0.5"], "must be >= 1"),

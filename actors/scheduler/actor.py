@@ -215,18 +215,17 @@ class SchedulerActor(Actor):
             self._wake.set()
 
     # -- prefill/decode disaggregation -----------------------------------------------
-    def _prefill_target(self) -> str | None:
-        """The least busy prefill scheduler whose replica is whole, or None."""
+    def _prefill_targets(self) -> dict[str, int]:
+        """Each prefill scheduler whose replica is whole → the prompts it may take now
+        (``--max-prefill-queue`` less those it holds of ours; 0: no limit)."""
         down = self.runtime.down
-        up = [
-            p
+        busy = [r.target for r in self.remote_at.values()]
+        cap = self.config.router.max_prefill_queue or 1 << 30
+        return {
+            p: max(0, cap - busy.count(p))
             for p in self.prefill
             if not {p, peer_of(p, "worker"), peer_of(p, "cache_manager")} & down
-        ]
-        if not up:
-            return None
-        busy = [r.target for r in self.remote_at.values()]
-        return min(up, key=busy.count)
+        }
 
     async def _remote_prefill(self, req: Req, target: str) -> None:
         """Have ``target`` compute ``req``'s prompt into the pages admitted for it here."""
@@ -503,10 +502,9 @@ class SchedulerActor(Actor):
         if ops is None:
             return False
         ops = msgspec.structs.replace(ops, pool_epoch=self.pool_epoch)
-        target = self._prefill_target() if ops.admits and self.prefill else None
-        planner.remote_threshold = (
-            None if target is None else self.config.router.max_local_prefill_tokens
-        )
+        room = self._prefill_targets() if ops.admits and self.prefill else {}
+        planner.remote_slots = sum(room.values())
+        planner.remote_threshold = self.config.router.max_local_prefill_tokens if room else None
         try:
             result = await self.request(self.cache_manager, ops)
         except ActorError as exc:
@@ -517,8 +515,8 @@ class SchedulerActor(Actor):
         planner.apply_cache(result)
         deadline = time.monotonic() + self.config.router.kv_transfer_timeout_s
         for req in planner.take_remote():
-            assert target is not None
-            target = self._prefill_target() or target
-            self.remote_at[req.rid] = _Remote(target, deadline)  # the next pick counts it
+            target = max(room, key=room.__getitem__)  # the one with the most room
+            room[target] -= 1
+            self.remote_at[req.rid] = _Remote(target, deadline)
             self.spawn(self._remote_prefill(req, target), name=f"prefill-{req.rid}")
         return bool(result.admitted or ops.finishes or ops.releases or ops.commits)

@@ -152,8 +152,10 @@ class BatchPlanner:
         self._hold_admission = False
         # LoRA: adapters in a worker slot now; a request for any other waits (adapters.py).
         self.ready_adapters: set[str] = set()
-        # Disaggregation: None = every prompt is computed here (no prefill replica up).
+        # Disaggregation: None = every prompt is computed here (no prefill replica up);
+        # remote_slots: how many more may go to a prefill replica this step (its queue).
         self.remote_threshold: int | None = None
+        self.remote_slots = 0
         self.remote: dict[str, Req] = {}  # admitted; its prompt computed elsewhere
         self._to_remote: list[Req] = []
         self.stats = {
@@ -165,6 +167,7 @@ class BatchPlanner:
             "zombies": 0,  # requests that ended with a step still in flight (overlap)
             "pd_remote_prefills": 0,  # prompts computed on a prefill replica
             "pd_local_prefills": 0,  # prompts computed here while one was up (short enough)
+            "pd_local_busy": 0,  # long prompts computed here: the prefill replicas were full
             "pd_transfer_failures": 0,
         }
 
@@ -429,9 +432,15 @@ class BatchPlanner:
         while one is up): a fresh prompt with more uncached tokens than the threshold."""
         if self.remote_threshold is None or req.num_output or req.request.lora_id:
             return False
-        remote = len(req.ids) - req.computed > self.remote_threshold
-        self.stats["pd_remote_prefills" if remote else "pd_local_prefills"] += 1
-        return remote
+        if len(req.ids) - req.computed <= self.remote_threshold:
+            self.stats["pd_local_prefills"] += 1
+            return False
+        if self.remote_slots <= 0:  # long, but every prefill replica's queue is full
+            self.stats["pd_local_busy"] += 1
+            return False
+        self.remote_slots -= 1
+        self.stats["pd_remote_prefills"] += 1
+        return True
 
     def take_remote(self) -> list[Req]:
         """The requests admitted for a remote prefill since the last call."""

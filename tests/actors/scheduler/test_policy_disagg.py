@@ -25,7 +25,8 @@ Pool = dict[tuple[int, int], int]
 class Pair:
     """A decode planner and a prefill planner, each with its cache manager and pool."""
 
-    def __init__(self, threshold: int, num_pages: int = 64) -> None:
+    def __init__(self, threshold: int, num_pages: int = 64, queue: int = 100) -> None:
+        self.queue = queue  # prompts the prefill planner may hold
         self.d, self.d_kv = make(num_pages)
         self.p, self.p_kv = make(num_pages)
         self.d.remote_threshold = threshold
@@ -83,6 +84,7 @@ class Pair:
                 break
             ops = self.d.cache_ops()
             if ops is not None:
+                self.d.remote_slots = self.queue - len(self.d.remote)  # as the actor counts
                 self.d.apply_cache(apply_step(self.d_kv, ops).result)
                 self.hand_over()
             live = [*self.d.waiting, *self.d.running, *self.d.remote]
@@ -133,7 +135,7 @@ def test_a_remote_prefill_gives_the_outputs_of_a_local_one() -> None:
 )
 def test_every_page_comes_back_on_both_sides(seed: int, abort_p: float, fail_p: float) -> None:
     rng = random.Random(seed)
-    pair = Pair(threshold=rng.choice([0, 4, 8]), num_pages=rng.randint(24, 64))
+    pair = Pair(rng.choice([0, 4, 8]), num_pages=rng.randint(24, 64), queue=rng.choice([1, 3]))
     for i, p in enumerate(_prompts(rng, 10)):
         assert pair.d.add(request(f"r{i}", p, rng.randint(1, 8)), "t") is None
     pair.run(rng, abort_p, fail_p)
@@ -146,6 +148,7 @@ def test_every_page_comes_back_on_both_sides(seed: int, abort_p: float, fail_p: 
 
 def test_an_aborted_or_failed_remote_prefill_gives_its_pages_back() -> None:
     pair = Pair(threshold=4)
+    pair.d.remote_slots = 2
     for rid, first in (("a", 0), ("b", 30)):
         assert pair.d.add(request(rid, list(range(first, first + 20)), 4), "t") is None
     pair.d.apply_cache(apply_step(pair.d_kv, pair.d.cache_ops()).result)
@@ -162,3 +165,19 @@ def test_an_aborted_or_failed_remote_prefill_gives_its_pages_back() -> None:
     pair.d.apply_cache(apply_step(pair.d_kv, ops).result)
     assert pair.d_kv.allocator.num_free == 64  # none cached: their KV may never have come
     assert sorted(pair.d.build_batch(1).release) == ["a", "b"]  # the worker drops them too
+
+
+def test_past_the_prefill_queue_long_prompts_are_prefilled_here() -> None:
+    pair = Pair(threshold=4)
+    pair.d.remote_slots = 1  # the prefill replica has room for one more
+    for rid, first in (("a", 0), ("b", 30), ("c", 60)):
+        prompt = list(range(first, first + (3 if rid == "c" else 20)))
+        assert pair.d.add(request(rid, prompt, 4), "t") is None
+    pair.d.apply_cache(apply_step(pair.d_kv, pair.d.cache_ops()).result)
+    assert list(pair.d.remote) == ["a"] and set(pair.d.running) == {"b", "c"}
+    stats = pair.d.stats
+    assert (stats["pd_remote_prefills"], stats["pd_local_busy"], stats["pd_local_prefills"]) == (
+        1,
+        1,
+        1,
+    )
