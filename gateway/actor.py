@@ -149,9 +149,11 @@ class GatewayActor(ClientActor):
 
     async def before_stop(self) -> None:
         self.state.draining = True
-        if self._site is not None:
-            await self._site.stop()  # no new connections
+        # The listener stays open while streams finish: new requests get 503
+        # shutting_down and /health "draining" (a load balancer's probe sees why).
         await self._drain(self.config.server.drain_timeout_s)
+        if self._site is not None:
+            await self._site.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -124,3 +124,28 @@ def test_a_prefill_replica_down_leaves_the_decode_replica_serving(tiny_llama: Pa
     finally:
         engine.close()
         one.close()
+
+
+def test_two_decode_replicas_share_one_prefill_replica(
+    tiny_llama: Path, engines: dict[str, Engine]
+) -> None:
+    engine = _engine(
+        tiny_llama,
+        dp_size=2,
+        prefill_replicas=1,
+        router_policy="round_robin",
+        max_local_prefill_tokens=THRESHOLD,
+    )
+    try:
+        rng = random.Random(4)
+        prompts = [_prompt(rng, 60) for _ in range(4)]
+        got = [engine.generate(p, greedy(8)).token_ids for p in prompts]
+        assert got == [engines["one"].generate(p, greedy(8)).token_ids for p in prompts]
+        stats = engine.stats()
+        assert stats["tokenizer"]["router_routed"] == [2, 2]  # the prefill replica: never
+        assert [stats[s]["pd_remote_prefills"] for s in ("scheduler", "scheduler.1")] == [2, 2]
+        assert stats["worker.2"]["kv_sent_bytes"] == sum(
+            stats[w]["kv_received_bytes"] for w in ("worker", "worker.1")
+        )
+    finally:
+        engine.close()
