@@ -47,7 +47,7 @@ if str(REPO) not in sys.path:  # `python bench/disagg.py` from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench import machine, peers  # noqa: E402
-from bench.processes import EngineProcess, free_port  # noqa: E402
+from bench.processes import EngineProcess, actor_cpu_seconds, free_port  # noqa: E402
 from bench.serving_client import run_level, send_one, wait_ready  # noqa: E402
 from bench.serving_metrics import summarize  # noqa: E402
 from bench.workloads import (  # noqa: E402
@@ -148,6 +148,7 @@ def run_setup(
         asyncio.run(warm_up())
         _post(f"{url}/flush_cache", {})
         before = cache_counts(_get(f"{url}/get_server_info")["stats"])
+        cpu_before = actor_cpu_seconds(proc.proc.pid)
         run = asyncio.run(
             run_level(
                 url,
@@ -160,6 +161,7 @@ def run_setup(
                 desc=name,
             )
         )
+        cpu = actor_cpu_seconds(proc.proc.pid)
         stats = _get(f"{url}/get_server_info")["stats"]
         after = cache_counts(stats)
     finally:
@@ -180,17 +182,30 @@ def run_setup(
         "hit_rate": hit_rate(before, after),
         "router": router,
         "pd": pd,
+        # CPU seconds each process used during the measured run (the workers pinned, the
+        # rest wherever the OS put them)
+        "cpu_s": {r: round(s - cpu_before.get(r, 0.0), 2) for r, s in sorted(cpu.items())},
         "summary": summary,
         "requests": [r.to_json() for r in run.results],
     }
+
+
+def _cpu(row: dict[str, Any]) -> str:
+    """CPU seconds the workers used in the run, and the rest of the deployment."""
+    cpu = row.get("cpu_s") or {}
+    if not cpu:
+        return "-"
+    workers = sum(s for r, s in cpu.items() if r.split(".")[0] == "worker")
+    return f"{workers:.1f} / {sum(cpu.values()) - workers:.1f}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     first: dict[str, float] = {}  # workload → the first setup's output throughput
     head = (
         "| workload | setup | replicas (cores) | policy | req/s | out tok/s | x first | "
-        "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | cache hit | failed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | cache hit | failed | "
+        "CPU s workers / rest |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -205,7 +220,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['policy']} | "
             f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {ratio:.2f} | "
             f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} | "
-            f"{s['itl_ms']['p99']:.1f} | {r['hit_rate']:.1%} | {s['failed']} |"
+            f"{s['itl_ms']['p99']:.1f} | {r['hit_rate']:.1%} | {s['failed']} | {_cpu(r)} |"
         )
     return head + "\n".join(lines) + "\n"
 

@@ -10,7 +10,9 @@ import socket
 import subprocess
 from pathlib import Path
 
-__all__ = ["EngineProcess", "free_port"]
+__all__ = ["EngineProcess", "actor_cpu_seconds", "free_port"]
+
+_CHILD = b"actorlm.actors.runtime.child"
 
 
 def free_port(host: str, start: int) -> int:
@@ -22,6 +24,27 @@ def free_port(host: str, start: int) -> int:
             except OSError:
                 continue
     raise RuntimeError(f"no free port from {start}")
+
+
+def actor_cpu_seconds(server: int) -> dict[str, float]:
+    """CPU time (user + system, seconds) so far of an ``actorlm serve`` process (as
+    "serve": its launcher) and of each actor process it started, by role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        if int(entry.name) == server:
+            out["serve"] = seconds
+        elif int(fields[1]) == server and _CHILD in argv:
+            out[argv[argv.index(_CHILD) + 1].decode()] = seconds
+    return out
 
 
 class EngineProcess:

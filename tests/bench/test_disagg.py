@@ -38,12 +38,15 @@ def test_the_table_compares_each_workload_with_its_first_setup() -> None:
 
     pd = {**row("pd", 1, 120), "workload": "long", "prefill_replicas": 1}
     pd["worker_cpus"] = ["0", "1"]
+    pd["cpu_s"] = {"worker": 2.0, "worker.1": 3.5, "tokenizer": 1.25, "serve": 0.25}
     rows = [row("one", 1, 100), row("cache_aware", 2, 190), row("colocated", 2, 100), pd]
     rows[2]["workload"] = "long"
     text = table(rows)
     assert "| shared | one | 1 (0) | - | 1.00 | 100.0 | 1.00 |" in text
+    assert text.count("| - |\n") == 3  # no CPU times recorded
     assert "| shared | cache_aware | 2 (0,1) | - | 1.00 | 190.0 | 1.90 |" in text
     assert "| long | pd | 1+1P (0,1) | - | 1.00 | 120.0 | 1.20 |" in text  # x colocated
+    assert "| 5.5 / 1.5 |" in text
     assert "25.0%" in text
 
 
