@@ -266,7 +266,12 @@ class CpuPlatform(Platform):
 
         flags = native.cpu_flags()
         wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-        return {**super().describe(), "cpu_flags": [f for f in wanted if f in flags]}
+        out = {**super().describe(), "cpu_flags": [f for f in wanted if f in flags]}
+        if native.best_isa().name == "amx":  # the kernel may refuse the tiles (arch_prctl)
+            from .kernels import qgemm
+
+            out["amx_tiles"] = qgemm.amx_ready()
+        return out
 
 
 class CudaPlatform(Platform):

@@ -33,7 +33,7 @@ from .fused_decode import FusedDecoder
 from .grammar.manager import GrammarManager
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
-from .platforms import resolve_dtype
+from .platforms import Platform, resolve_dtype
 from .quantization import quantize_model
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class ModelRunner:
         log.info(
             "dtype %s, kernels %s; decode %s",
             cfg.dtype,
-            platform.kernel_isa() or "none",
+            _isa_words(platform),
             f"steps of <= {self.fused.max_batch} sequences as one native call"
             if self.fused
             else f"through the model ({why})",
@@ -302,3 +302,11 @@ class ModelRunner:
             meta = upload_meta(meta, self.device)  # pinned, non-blocking
         self.backend.init_forward_metadata(meta)
         return self.model(meta, self.backend)
+
+
+def _isa_words(platform: Platform) -> str:
+    """The kernels' ISA for the start-up log, saying when an amx build has no tiles."""
+    isa = platform.kernel_isa() or "none"
+    if isa == "amx" and platform.describe().get("amx_tiles") is False:
+        return "amx (tiles refused by the kernel: AVX512-BF16 dot products)"
+    return isa

@@ -123,6 +123,8 @@ def test_describe_names_the_kernels_isa_and_the_cpu_flags() -> None:
     assert info["kernel_isa"] == native.best_isa().name
     assert set(info["cpu_flags"]) <= native.cpu_flags()
     assert ("avx2" in info["cpu_flags"]) == ("avx2" in native.cpu_flags())
+    # an amx build says whether the kernel granted the tiles (else: dot products)
+    assert ("amx_tiles" in info) == (native.best_isa().name == "amx")
 
 
 def test_the_runner_resolves_auto_and_says_what_runs(
