@@ -8,9 +8,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Stream", "get_text", "http"]
+import pytest
+
+__all__ = ["Stream", "get_text", "http", "wait_for_log"]
 
 
 def http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -67,3 +70,15 @@ class Stream(threading.Thread):
     @property
     def failed_cleanly(self) -> bool:
         return any('"error"' in e for e in self.events)
+
+
+def wait_for_log(path: Path, *needles: str, timeout: float = 10.0) -> str:
+    """``path``'s text once it holds every one of ``needles`` (fails the test if not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text(errors="replace")
+        if all(n in text for n in needles):
+            return text
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path.name} never said {needles}:\n{text[-2000:]}")
+        time.sleep(0.1)

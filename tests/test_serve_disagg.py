@@ -29,7 +29,7 @@ from actorlm import Engine
 from actorlm.actors.runtime.keys import KEY_ROLES, create_keys
 from actorlm.actors.runtime.transport import free_port
 
-from tests.servers import Stream, http
+from tests.servers import Stream, http, wait_for_log
 from tests.test_serve import Served
 from tests.test_split_deployment import PEER_TIMEOUT_S, Split, _raw_push
 
@@ -88,14 +88,7 @@ def split(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         s.wait_healthy(180)
         yield s
     finally:
-        for proc in s.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in s.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        s.stop_all()
 
 
 def stats(split: Split) -> dict[str, Any]:
@@ -151,15 +144,7 @@ def test_a_peer_without_a_workers_key_ships_no_kv(split: Split) -> None:
     forger.send_multipart(pages("worker.1"))
     client = _raw_push(address, keys, server="worker")  # a client, as itself
     client.send_multipart(pages("client-raw"))
-    log = split.logs / "worker.log"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if "its key is client's" in text and "KV pages are taken from workers only" in text:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(log.read_text(errors="replace")[-2000:])
+    wait_for_log(split.logs / "worker.log", "its key is client's", "taken from workers only")
     for sock in (stranger, forger, client):
         sock.close(linger=0)
     after = stats(split)["worker"]

@@ -20,7 +20,7 @@ import pytest
 from actorlm.actors.runtime.keys import create_keys
 from actorlm.actors.runtime.transport import free_port
 
-from tests.servers import Stream, http
+from tests.servers import Stream, http, wait_for_log
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,6 +60,17 @@ class Split:
         self.procs[role] = subprocess.Popen(
             [*cmd, "--deploy", str(self.deploy)], stdout=log, stderr=subprocess.STDOUT
         )
+
+    def stop_all(self) -> None:
+        """SIGTERM to every process still running; SIGKILL to one still there 20 s on."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
     def health(self) -> tuple[int, Any]:
         return http(f"{self.url}/health")
@@ -108,14 +119,7 @@ def split(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         s.baseline = {"cached": s.greedy(PROMPT_CACHED)[0], "new": s.greedy(PROMPT_NEW)[0]}
         yield s
     finally:
-        for proc in s.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in s.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        s.stop_all()
 
 
 @pytest.mark.parametrize("role", ["worker", "cache_manager", "scheduler", "tokenizer"])
@@ -183,14 +187,7 @@ def test_a_peer_without_the_key_commands_nothing(split: Split) -> None:
     client = _raw_push(address, keys)  # a client, as itself: not the supervisor either
     client.send_multipart(shutdown("client-raw"))
     log = split.logs / "tokenizer.log"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if "its key is client's" in text and "obeyed only from the supervisor" in text:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(log.read_text(errors="replace")[-2000:])
+    wait_for_log(log, "its key is client's", "obeyed only from the supervisor")
     for sock in (stranger, forger, client):
         sock.close(linger=0)
     time.sleep(0.5)
