@@ -232,10 +232,13 @@ class SchedulerActor(Actor):
         rid, cfg = req.rid, self.config
         start = req.computed // cfg.model.page_size  # the cached prefix ends on a page
         dest = req.pages[start : self.planner.pages_for(req.prompt_len)]
+        if self.planner.remote.get(rid) is not req:
+            return  # ended before this task ran
         try:
             await self.request(self.worker, ExpectKV(rid=rid, page_ids=dest))
-            if self.planner.remote.get(rid) is not req:
-                return  # ended meanwhile
+            if self.planner.remote.get(rid) is not req:  # ended meanwhile: its release may
+                self.planner.release_worker(rid)  # have gone before the worker expected it
+                return
             sampling = msgspec.structs.replace(req.params, max_new_tokens=1)
             kv_dest = KVDest(self.worker, dest, start)
             await self.send(

@@ -474,6 +474,10 @@ class BatchPlanner:
             self._end(req)
         return True
 
+    def release_worker(self, rid: str) -> None:
+        """Have the next step's batch tell the worker to drop ``rid``'s state."""
+        self._worker_release.append(rid)
+
     def remote_failed(self, rid: str, message: str, code: ErrorCode) -> bool:
         """``rid``'s remote prefill failed: it ends with that error, its pages go back."""
         req = self.remote.pop(rid, None)
@@ -532,9 +536,9 @@ class BatchPlanner:
             ship = req.request.kv_dest if end == req.prompt_len else None
             seqs.append(SeqStep(req.rid, ids, start, table, sample, init, ship))
             plan[req.rid] = (chunk, sample)
+        if not seqs:  # never sent: the releases wait for a batch that is
+            return ForwardBatch(step_id=step_id, seqs=[])
         release, self._worker_release = self._worker_release, []
-        if not seqs:
-            return ForwardBatch(step_id=step_id, seqs=[], release=release)
         for rid, (chunk, sample) in plan.items():
             req = self.running[rid]
             req.ahead += chunk

@@ -149,3 +149,47 @@ def test_two_decode_replicas_share_one_prefill_replica(
         )
     finally:
         engine.close()
+
+
+def test_aborts_at_any_point_of_a_remote_prefill_leave_no_page_behind(
+    engines: dict[str, Engine],
+) -> None:
+    import asyncio
+    import contextlib
+
+    pd, one = engines["pd"], engines["one"]
+    rng = random.Random(5)
+    prompts = [_prompt(rng, rng.randint(40, 200)) for _ in range(16)]
+    waits = [rng.choice([0.0, 0.001, 0.005, 0.02, 0.05, None]) for _ in prompts]
+
+    async def leave_early(prompt: list[int], wait: float | None) -> None:
+        async def read() -> None:
+            async for _ in pd.stream(prompt, greedy(24)):
+                pass
+
+        if wait is None:  # this one runs to its end
+            await read()
+            return
+        # the client goes away: before, during or after the prompt's transfer
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(read(), wait)
+
+    async def run() -> None:
+        await asyncio.gather(*(leave_early(p, w) for p, w in zip(prompts, waits, strict=True)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 20
+    while True:  # aborts land asynchronously: every page comes back
+        stats = pd.stats()
+        caches = [stats[c] for c in ("cache_manager", "cache_manager.1")]
+        if stats["scheduler"]["pd_remote_in_flight"] == 0 and all(
+            c["consistent"] and c["pages_private"] == 0 for c in caches
+        ):
+            break
+        assert time.monotonic() < deadline, (stats["scheduler"], caches)
+        time.sleep(0.1)
+    assert stats["scheduler"]["pd_remote_prefills"] > 0
+    prompt = _prompt(rng, 90)  # and it serves on, right
+    assert pd.generate(prompt, greedy(8)).token_ids == one.generate(prompt, greedy(8)).token_ids
+    # the worker forgets the transfers of the aborted with the next step's releases
+    assert pd.stats()["worker"]["kv_expected"] == 0

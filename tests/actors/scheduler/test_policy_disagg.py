@@ -164,7 +164,10 @@ def test_an_aborted_or_failed_remote_prefill_gives_its_pages_back() -> None:
     assert ops is not None and sorted(ops.releases) == ["a", "b"]
     pair.d.apply_cache(apply_step(pair.d_kv, ops).result)
     assert pair.d_kv.allocator.num_free == 64  # none cached: their KV may never have come
-    assert sorted(pair.d.build_batch(1).release) == ["a", "b"]  # the worker drops them too
+    assert pair.d.build_batch(1).release == []  # an empty batch is never sent: they wait
+    assert pair.d.add(request("c", [1, 2, 3], 4), "t") is None
+    pair.d.apply_cache(apply_step(pair.d_kv, pair.d.cache_ops()).result)
+    assert sorted(pair.d.build_batch(2).release) == ["a", "b"]  # the worker drops them too
 
 
 def test_past_the_prefill_queue_long_prompts_are_prefilled_here() -> None:
