@@ -263,10 +263,7 @@ class ActorRuntime:
         period = self.options.heartbeat_s
         last = time.monotonic()
         while True:
-            # An inproc peer known dead is not beaten (a send to it would wait until it
-            # is back): it comes back up by the first message it sends.
-            down = {r for r in self.peers.down if self.book.get(r, "").startswith("inproc://")}
-            for role in [r for r in self.book if r != self.role and r not in down]:
+            for role in [r for r in self.book if r != self.role]:
                 with contextlib.suppress(ActorError):
                     await self._emit(role, beat, Kind.SEND, next(self._ids))
             await asyncio.sleep(period)
@@ -341,7 +338,10 @@ class ActorRuntime:
             self.incarnation,
             target,
         )
-        await self._outbox(to).send(self.codec.encode(env, msg))
+        try:
+            await self._outbox(to).send(self.codec.encode(env, msg))
+        except ConnectionError as exc:
+            raise ActorDied(f"actor {to!r} cannot be reached: {exc}") from None
         return True
 
     async def send(self, to: str, msg: Message) -> int:

@@ -192,8 +192,12 @@ class _ZmqOutbox:
     smaller ones are copied, as pyzmq would, but without its slower zero-copy path.
     """
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], inproc: bool = False) -> None:
         self._sock = sock
+        # An inproc PUSH queues for a peer not bound yet, but once the peer's socket has
+        # closed it has no pipe, ever (a peer bound again is reached by a new outbox):
+        # Again then means the peer is gone, and waiting would wait forever.
+        self._inproc = inproc
 
     async def send(self, frames: Frames) -> None:
         send, last = self._sock.send, len(frames) - 1
@@ -204,6 +208,8 @@ class _ZmqOutbox:
                 copy = len(frame) < _COPY_THRESHOLD
                 send(frame, _NOBLOCK if i == last else _MORE_NOBLOCK, copy=copy)
         except zmq.Again:
+            if self._inproc:
+                raise ConnectionError("the inproc peer's socket is closed") from None
             await zmq.asyncio.Socket.shadow(self._sock.underlying).send_multipart(
                 frames, copy=False
             )
@@ -272,7 +278,7 @@ class ZmqTransport:
             sock.curve_publickey, sock.curve_secretkey = self.keys.pair(role)
             sock.curve_serverkey = self.keys.public(peer)
         sock.connect(address)
-        return _ZmqOutbox(sock)
+        return _ZmqOutbox(sock, inproc=address.startswith("inproc://"))
 
     def close(self) -> None:
         if self._auth is not None:

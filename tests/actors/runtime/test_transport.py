@@ -1,4 +1,5 @@
-"""ZMQ inboxes deliver every message once, in order, whether it comes alone or in a burst."""
+"""ZMQ inboxes deliver every message once, in order, whether it comes alone or in a burst;
+an outbox to an inproc peer that is gone fails at once."""
 
 from __future__ import annotations
 
@@ -40,3 +41,22 @@ def test_zmq_inbox_delivers_bursts_in_order(tmp_path: Path, burst: int) -> None:
     got = asyncio.run(main())
     assert [int(frames[1]) for frames in got] == list(range(2 * burst))
     assert all(len(frames) == 3 and len(frames[2]) == 100_000 for frames in got[burst:])
+
+
+def test_an_inproc_peer_gone_is_an_error_at_once_not_a_wait() -> None:
+    async def main() -> None:
+        transport = ZmqTransport()
+        outbox = transport.connect("inproc://peer")
+        await outbox.send([b"queued", b"before the peer binds"])  # inproc queues for it
+        inbox = transport.bind("inproc://peer")
+        got = asyncio.Event()
+        inbox.listen(lambda frames, identity: got.set())
+        await asyncio.wait_for(got.wait(), 5)
+        inbox.close()  # the peer dies: its pipe is gone for good
+        await asyncio.sleep(0.05)
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(outbox.send([b"after", b"its death"]), 5)
+        outbox.close()
+        transport.close()
+
+    asyncio.run(main())
