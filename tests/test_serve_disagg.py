@@ -42,6 +42,7 @@ THRESHOLD = 16
 LONG = [(i * 7919) % 30000 + 100 for i in range(200)]  # ~13 pages: prefilled remotely
 FRESH = [t + 1 for t in LONG]  # as long, cached nowhere
 AGAIN = [t + 2 for t in LONG]
+THIRD = [t + 4 for t in LONG]
 SHORT = [5, 6, 7, 8, 9]  # prefilled on the decode replica
 
 
@@ -71,6 +72,7 @@ def baseline(tiny_llama: Path) -> dict[str, list[int]]:
             "short": one.generate(SHORT, params).token_ids,
             "fresh": one.generate(FRESH, params).token_ids,
             "again": one.generate(AGAIN, params).token_ids,
+            "third": one.generate(THIRD, params).token_ids,
         }
 
 
@@ -197,6 +199,49 @@ def test_a_killed_prefill_worker_fails_only_the_prompt_it_held(
     assert split.greedy(AGAIN)[0] == baseline["again"]
     assert metric(split, "actorlm_pd_remote_prefills") == remote + 1  # back on the prefill host
     got = stats(split)
+    for role in ("cache_manager", "cache_manager.1"):
+        assert got[role]["consistent"] and got[role]["pages_private"] == 0, got[role]
+
+
+def test_a_killed_decode_worker_fails_its_requests_and_a_late_transfer_writes_nothing(
+    split: Split, baseline: dict[str, list[int]]
+) -> None:
+    decoding = Stream(split.url, max_tokens=1500)
+    decoding.start()
+    assert decoding.first.wait(30) and not decoding.ended, decoding.events
+    prefill, victim = split.procs["worker.1"], split.procs["worker"]
+    os.kill(prefill.pid, signal.SIGSTOP)  # a long prompt waits there...
+    held: list[tuple[int, Any]] = []
+    body = {"input_ids": [t + 5 for t in LONG[:150]], "sampling_params": {"max_new_tokens": 4}}
+    asking = threading.Thread(target=lambda: held.append(http(f"{split.url}/generate", body)))
+    asking.start()
+    time.sleep(0.3)
+    os.kill(victim.pid, signal.SIGKILL)  # ...when the worker it decodes on dies
+    killed = time.monotonic()
+    os.kill(prefill.pid, signal.SIGCONT)  # its KV then goes to a worker that is gone
+    asking.join(30)
+    decoding.join(30)
+    assert held and time.monotonic() - killed < PEER_TIMEOUT_S + 1.5  # both ended promptly
+    assert decoding.ended - killed < PEER_TIMEOUT_S + 1.5, decoding.ended - killed
+    assert decoding.failed_cleanly, decoding.events[-3:]
+    assert held and held[0][0] == 503, held
+    victim.wait(10)
+    deadline = time.monotonic() + 10
+    while "worker" not in split.health()[1].get("down", []):  # the gateway saw it go
+        assert time.monotonic() < deadline, split.health()
+        time.sleep(0.05)
+    split.start("worker")
+    split.wait_healthy()
+    time.sleep(4 * 0.2)  # a few heartbeats: every scheduler has heard it
+    deadline = time.monotonic() + 60
+    while "pd_remote_prefills" not in (before := stats(split))["scheduler"]:
+        assert time.monotonic() < deadline, before  # a stats read can time out (5 s)
+        time.sleep(0.5)
+    remote = before["scheduler"]["pd_remote_prefills"]
+    assert split.greedy(THIRD)[0] == baseline["third"]  # a pool that is whole
+    got = stats(split)
+    assert got["scheduler"]["pd_remote_prefills"] == remote + 1
+    assert got["worker"]["kv_expected"] == 0
     for role in ("cache_manager", "cache_manager.1"):
         assert got[role]["consistent"] and got[role]["pages_private"] == 0, got[role]
 
