@@ -25,7 +25,7 @@ from aiohttp import web
 from ..actors.client import ClientActor, EngineClient, pipeline_roles
 from ..actors.runtime import ActorError
 from ..config import EngineConfig
-from ..messages.control import RestartMembers, StopDeployment
+from ..messages.control import Ack, RestartMembers, StopDeployment
 from ..messages.generate import FinishReason, TextDelta
 from .app import build_app
 from .params import ModelLimits
@@ -145,7 +145,9 @@ class GatewayActor(ClientActor):
             reply = await self.request(supervisor, msg, timeout=timeout)
         except ActorError as exc:
             return str(exc)
-        return "" if getattr(reply, "ok", False) else str(getattr(reply, "detail", reply))
+        if not isinstance(reply, Ack):
+            return f"unexpected reply {reply.TAG}"
+        return "" if reply.ok else reply.detail
 
     async def before_stop(self) -> None:
         self.state.draining = True
