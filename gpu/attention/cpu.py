@@ -11,7 +11,8 @@ with 1,000-token contexts a decode step of the default model went from ~95 to ~6
 A sliding window starts each sequence's keys at its window inside the first page
 the window touches. A bf16 pool decodes through ``cpu_step.c``'s kernel of the
 same shape (``attend.h``: K and V widened as read, q and the output through fp32),
-and its prompts through ``cpu_prefill.c`` (on AMX CPUs through torch's flash attention,
+and its prompts through ``cpu_prefill.c`` (on AMX tiles where the CPU has them,
+``flash_amx.h``; head sizes those tiles do not take run torch's flash attention there,
 ``torch_prompts_faster``); that decode kernel also takes windows and
 soft-capped scores, over bf16 or fp32 pages, so capped decodes of either pool run it
 (Gemma 2's decodes at batch 32 spent ~1.5 ms a layer in the torch path's gather, cap
@@ -30,7 +31,7 @@ import torch
 
 from ..forward_meta import ForwardMeta
 from ..kernels import native
-from ..kernels.attention import decode_kernel, prefill_kernel
+from ..kernels.attention import decode_kernel, prefill_kernel, prefill_tiles
 from ..kernels.step import native_step
 from .torch_native import TorchNativeBackend, _Decode, _Prefill
 
@@ -39,14 +40,14 @@ __all__ = ["CpuBackend", "torch_prompts_faster"]
 log = logging.getLogger(__name__)
 
 
-def torch_prompts_faster(flags: frozenset[str]) -> bool:
+def torch_prompts_faster(flags: frozenset[str], head_dim: int, tiles: bool) -> bool:
     """Whether bf16 prompts run faster through torch's flash attention than through
-    cpu_prefill.c: on AMX (oneDNN's bf16 tiles), 512 fresh tokens of the default model's
-    30 layers took 32 ms against the C kernel's 80 (Xeon, 2 cores, 2026-12-02), and a
-    chunk over a cached prefix (its pages gathered, a causal mask) too: 48 tokens over
-    1,024 cached took 49 ms a forward pass against 71, 256 over 1,024 122 against 235
-    (2026-12-03)."""
-    return "amx_bf16" in flags
+    cpu_prefill.c. On AMX CPUs the kernel runs head sizes that are multiples of 64 on
+    tiles when the OS grants them (``tiles``, flash_amx.h): 512 fresh tokens of the
+    default model's 30 layers in ~21 ms against torch's ~37. Other head sizes there take
+    torch's flash attention (oneDNN's bf16 tiles) over the kernel's fp32 path: 32 ms
+    against 80 for those 512 tokens (Xeon, 2 cores, 2026-12-02)."""
+    return "amx_bf16" in flags and not (tiles and head_dim % 64 == 0)
 
 
 class CpuBackend(TorchNativeBackend):
@@ -62,10 +63,11 @@ class CpuBackend(TorchNativeBackend):
         self._kernel = self._kv_kernel if self._bf16 else decode_kernel() if fp32 else None
         if self._kernel is None:
             log.info("cpu attention: decodes take the torch path (%s)", pool.dtype)
-        # bf16 prompts: torch's CPU flash attention runs them at ~30 GFLOP/s a core
-        # (~40% of a bf16 prefill); fp32 keeps torch's path, today's exact numbers.
+        # bf16 prompts: the kernel (on AMX tiles where the CPU has them); fp32 keeps
+        # torch's path, today's exact numbers.
         self._prefill_kernel = prefill_kernel() if self._bf16 else None
-        self._torch_prompts = torch_prompts_faster(native.cpu_flags())
+        tiles = self._prefill_kernel is not None and prefill_tiles()
+        self._torch_prompts = torch_prompts_faster(native.cpu_flags(), self.head_dim, tiles)
 
     def _plan_prefill(
         self, meta: ForwardMeta, i: int, window: int, device: torch.device

@@ -27,40 +27,12 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_state.h"
 
 #define AMX_MIN_ROWS 5 /* fewer rows: gemv.h's fp32 tiles (equal at 4, 1.2x at 8) */
 #define AMX_CHUNK 8    /* blocks a pass: their B tiles (8 KiB) and sums in L1 */
-#define AMX_ARCH_REQ_XCOMP_PERM 0x1023
-#define AMX_XFEATURE_XTILEDATA 18
-
-/* 1: the kernel granted the tile state, -1: it refused (0: not asked yet) */
-static int amx_state;
-
-static int amx_ready(void) {
-    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, AMX_ARCH_REQ_XCOMP_PERM, AMX_XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
-    }
-    return s > 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config_t;
-
 /* Tiles 0-1: sums (C), 2-3: rows of x (A), 4: a block's codes (B); each 16 x 64 bytes. */
-static void amx_configure(void) {
-    amx_config_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 5; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
+static void amx_configure(void) { amx_configure_tiles(5); }
 
 /* Groups [g0, g1) of a block weight, all M rows of x; 0, or -1 when AMX or the
    scratch could not be had (the caller then takes the dot products). */

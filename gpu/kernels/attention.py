@@ -10,7 +10,7 @@ from typing import Any
 
 from . import native
 
-__all__ = ["decode_kernel", "prefill_kernel"]
+__all__ = ["decode_kernel", "prefill_kernel", "prefill_tiles"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -56,3 +56,10 @@ def prefill_kernel(level: str = "") -> Any | None:
     ]
     fn.restype = ctypes.c_int
     return fn
+
+
+def prefill_tiles(level: str = "") -> bool:
+    """Whether ``prefill_kernel(level)`` runs bf16 prompts whose head size is a multiple of
+    64 on AMX tiles (``flash_amx.h``) here."""
+    lib = native.load(Path(__file__).with_name("cpu_prefill.c"), level)
+    return lib is not None and bool(lib.actorlm_prefill_tiles())

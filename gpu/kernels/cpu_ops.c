@@ -81,22 +81,30 @@ void actorlm_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residu
         const uint16_t *src = x + r * x_stride;
         uint16_t *o = out + r * out_stride;
         int64_t i = 0;
-        if (residual) {
-            uint16_t *res = residual + r * res_stride;
-            for (; i + 8 <= dim; i += 8) store8_bf16(res + i, load8_bf16(res + i) + load8_bf16(src + i));
-            for (; i < dim; i++) res[i] = f32_bf16(bf16_f32(res[i]) + bf16_f32(src[i]));
-            src = res;
-        }
-        v8f acc = {0};
+        vf acc = {0};
         float ss = 0.f;
-        for (i = 0; i + 8 <= dim; i += 8) {
-            const v8f v = load8_bf16(src + i);
-            acc += v * v;
+        if (residual) { /* the sum, rounded, is both the next residual and what is normed */
+            uint16_t *res = residual + r * res_stride;
+            for (; i + VW <= dim; i += VW) {
+                const vf v = round_bf16(load_bf16(res + i) + load_bf16(src + i));
+                store_bf16(res + i, v);
+                acc += v * v;
+            }
+            for (; i < dim; i++) {
+                res[i] = f32_bf16(bf16_f32(res[i]) + bf16_f32(src[i]));
+                ss += bf16_f32(res[i]) * bf16_f32(res[i]);
+            }
+            src = res;
+        } else {
+            for (; i + VW <= dim; i += VW) {
+                const vf v = load_bf16(src + i);
+                acc += v * v;
+            }
+            for (; i < dim; i++) ss += bf16_f32(src[i]) * bf16_f32(src[i]);
         }
-        for (; i < dim; i++) ss += bf16_f32(src[i]) * bf16_f32(src[i]);
-        const float scale = 1.f / sqrtf((ss + hsum(acc)) / (float)dim + eps);
-        for (i = 0; i + 8 <= dim; i += 8)
-            store8_bf16(o + i, load8_bf16(w + i) * round8_bf16(load8_bf16(src + i) * scale));
+        const float scale = 1.f / sqrtf((ss + hsumv(acc)) / (float)dim + eps);
+        for (i = 0; i + VW <= dim; i += VW)
+            store_bf16(o + i, load_bf16(w + i) * round_bf16(load_bf16(src + i) * scale));
         for (; i < dim; i++) o[i] = f32_bf16(bf16_f32(w[i]) * rnd(bf16_f32(src[i]) * scale));
     }
 }
@@ -108,8 +116,8 @@ void actorlm_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *ou
         const uint16_t *g = x + r * x_stride, *u = g + d;
         uint16_t *o = out + r * out_stride;
         int64_t i = 0;
-        for (; i + 8 <= d; i += 8)
-            store8_bf16(o + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
+        for (; i + VW <= d; i += VW)
+            store_bf16(o + i, round_bf16(siluv(load_bf16(g + i))) * load_bf16(u + i));
         for (; i < d; i++) {
             const float gf = bf16_f32(g[i]);
             o[i] = f32_bf16(rnd(gf / (1.f + expf(-gf))) * bf16_f32(u[i]));

@@ -21,6 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
+#if defined(__AMX_BF16__)
+#include "flash_amx.h"
+#endif
 
 #define QB 64   /* query tokens a task: K's transpose serves G * QB rows */
 #define KB 64   /* keys a block */
@@ -199,6 +202,12 @@ int actorlm_paged_prefill(const void *q, int64_t q_row, int64_t q_bf16, const vo
                           int64_t page_size, float scale, void *out, int64_t out_row,
                           int64_t out_bf16, int threads) {
     if (D % 16 || D > DMAX) return -1;
+#if defined(__AMX_BF16__)
+    if (q_bf16 && kv_bf16 && out_bf16 &&
+        fa_amx_prefill(q, q_row, k, v, num_pages, pages, start, n, Hkv, G, D, page_size, scale,
+                       out, out_row, threads) == 0)
+        return 0;
+#endif
     const int64_t head_bytes = num_pages * page_size * D * (kv_bf16 ? 2 : 4);
     const int64_t blocks = (n + QB - 1) / QB, tasks = blocks * Hkv;
     const size_t floats = (size_t)(2 * DMAX * KB + 2 * KB + 2 * G * QB * DMAX + 2 * G * QB);
@@ -223,4 +232,14 @@ int actorlm_paged_prefill(const void *q, int64_t q_row, int64_t q_bf16, const vo
         free(scratch);
     }
     return failed ? -1 : 0;
+}
+
+/* 1 where this build runs bf16 prompts of head sizes that are multiples of 64 on AMX
+   tiles (flash_amx.h: the CPU has them and the kernel granted their state), else 0. */
+int actorlm_prefill_tiles(void) {
+#if defined(__AMX_BF16__)
+    return amx_ready();
+#else
+    return 0;
+#endif
 }

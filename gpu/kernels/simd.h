@@ -35,32 +35,36 @@ static inline void axpy(float p, const float *x, float *y, int64_t n) {
     for (; i < n; i++) y[i] += p * x[i];
 }
 
-/* exp(x) for x <= 0, 8 at a time: 2^n * P(r) with x = n ln2 + r, |r| <= ln2 / 2
-   (Cephes' expf polynomial, ~2 ulp); x below -87 gives exp(-87) ~ 1.6e-38. */
-static inline v8f exp8(v8f x) {
-    const v8f lo = x * 0.f - 87.f;
-    const v8i below = x < lo; /* all ones where true */
-    x = (v8f)(((v8i)x & ~below) | ((v8i)lo & below));
-    const v8f magic = x * 0.f + 12582912.f; /* 1.5 * 2^23: adding rounds to an integer */
-    v8f n = (x * 1.44269504088896341f + magic) - magic;
-    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
-}
+/* exp(x) for x <= 0: 2^n * P(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' expf
+   polynomial, ~2 ulp); x below -87 gives exp(-87) ~ 1.6e-38. And silu(g) = g * sigmoid(g),
+   with exp taken of -|g| only (exp's domain, no overflow): sigmoid is 1 / (1 + e) for
+   g >= 0 and e / (1 + e) below, with e = exp(-|g|). Defined for a vector type F of
+   integer twin I: exp8 and silu8 on 8 lanes here, expv and siluv on the build's widest
+   below. */
+#define ACTORLM_EXP_SILU(exp_name, silu_name, F, I)                                    \
+    static inline F exp_name(F x) {                                                    \
+        const F lo = x * 0.f - 87.f;                                                   \
+        const I below = x < lo; /* all ones where true */                              \
+        x = (F)(((I)x & ~below) | ((I)lo & below));                                    \
+        const F magic = x * 0.f + 12582912.f; /* 1.5 * 2^23: adding rounds */          \
+        F n = (x * 1.44269504088896341f + magic) - magic;                              \
+        F r = x - n * 0.693359375f + n * 2.12194440e-4f;                               \
+        F p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                 \
+        p = p * r + 8.3334519073e-3f;                                                  \
+        p = p * r + 4.1665795894e-2f;                                                  \
+        p = p * r + 1.6666665459e-1f;                                                  \
+        p = p * r + 5.0000001201e-1f;                                                  \
+        p = p * r * r + r + 1.f;                                                       \
+        return p * (F)((__builtin_convertvector(n, I) + 127) << 23);                   \
+    }                                                                                  \
+    static inline F silu_name(F g) {                                                   \
+        const I neg = g < g * 0.f;                                                     \
+        const F e = exp_name((F)((I)g | INT32_MIN)); /* exp(-|g|) */                   \
+        const F one = g * 0.f + 1.f;                                                   \
+        return g * ((F)(((I)e & neg) | ((I)one & ~neg)) / (1.f + e));                  \
+    }
 
-/* silu(g) = g * sigmoid(g), with exp taken of -|g| only (exp8's domain, no overflow). */
-static inline v8f silu8(v8f g) {
-    const v8f zero = {0};
-    const v8i sign = (v8i){0} + INT32_MIN, neg = g < zero;
-    const v8f e = exp8((v8f)((v8i)g | sign)); /* exp(-|g|) */
-    const v8f sig_pos = 1.f / (1.f + e), sig_neg = e / (1.f + e);
-    return g * (v8f)(((v8i)sig_neg & neg) | ((v8i)sig_pos & ~neg));
-}
+ACTORLM_EXP_SILU(exp8, silu8, v8f, v8i)
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -71,6 +75,12 @@ typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+#if VW == 16
+ACTORLM_EXP_SILU(expv, siluv, vf, vi)
+#else
+#define expv exp8
+#define siluv silu8
+#endif
 
 static inline float hsumv(vf v) {
 #if VW == 16
@@ -93,10 +103,6 @@ static inline uint16_t f32_bf16(float f) {
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
-static inline void store_bf16(uint16_t *p, vf v) {
-    const vu u = (vu)v;
-    *(vh *)p = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, vh);
-}
 
 /* 8 bf16 at a time, for element-wise loops (rounding to nearest even as above) */
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
@@ -138,6 +144,26 @@ static inline vf load_bf16(const uint16_t *p) {
     return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16);
 #endif
 }
+/* vf to bf16, rounding to nearest even: one instruction with AVX512-BF16 */
+#if VW == 16 && defined(__AVX512BF16__)
+static inline __m256i bf16_pack(vf v) { return (__m256i)_mm512_cvtneps_pbh((__m512)v); }
+#elif VW == 16
+static inline __m256i bf16_pack(vf v) {
+    const vu u = (vu)v;
+    return _mm512_cvtepi32_epi16((__m512i)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+}
+#endif
+#if VW == 16
+static inline void store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, bf16_pack(v)); }
+static inline vf round_bf16(vf v) { return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(v)), 16); }
+#else
+static inline vu bf16_bits(vf v) {
+    const vu u = (vu)v;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+static inline void store_bf16(uint16_t *p, vf v) { *(vh *)p = __builtin_convertvector(bf16_bits(v), vh); }
+static inline vf round_bf16(vf v) { return (vf)(bf16_bits(v) << 16); }
+#endif
 static inline vf load_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
