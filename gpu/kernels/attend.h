@@ -8,7 +8,8 @@
  * decodes over a bf16 pool). The backend's decodes may start inside the first page
  * (a sliding window: the keys before `start` are masked) and soft-cap the scaled
  * scores (Gemma 2: cap * tanh(s / cap)); the fused step passes neither. Builds with
- * AVX512-BF16 take bf16 pages through attend_dp.h's dot products instead.
+ * AVX512-BF16 take bf16 pages through attend_dp.h's dot products instead, and builds
+ * with AMX through attend_amx.h's tiles.
  */
 #ifndef ACTORLM_ATTEND_H
 #define ACTORLM_ATTEND_H
@@ -18,6 +19,9 @@
 #include "simd.h"
 #if defined(__AVX512BF16__)
 #include "attend_dp.h"
+#endif
+#if defined(__AMX_BF16__)
+#include "attend_amx.h"
 #endif
 
 static inline __attribute__((always_inline)) v8f kv_load8(const int bf16, const void *p,
@@ -33,23 +37,6 @@ static inline __attribute__((always_inline)) float kv_at(const int bf16, const v
 /* dst[0..n) = the bf16 values src[0..n) in fp32 (n % 8 == 0) */
 static inline void att_widen(float *dst, const uint16_t *src, int64_t n) {
     for (int64_t i = 0; i < n; i += 8) *(v8f *)(dst + i) = kv_load8(1, src, i);
-}
-
-/* s[0..n) = exp(s - m); returns their sum */
-static float att_exp_sum(float *s, int64_t n, float m) {
-    float sum = 0.f;
-    int64_t i = 0;
-    v8f acc = {0};
-    for (; i + 8 <= n; i += 8) {
-        v8f e = exp8(*(v8f *)(s + i) - m);
-        *(v8f *)(s + i) = e;
-        acc += e;
-    }
-    for (; i < n; i++) {
-        s[i] = expf(s[i] - m);
-        sum += s[i];
-    }
-    return sum + hsum(acc);
 }
 
 static inline v8f att_pairs(v8f a, v8f b) { /* [a0+a1, b0+b1, a2+a3, b2+b3, ...] */
@@ -125,18 +112,26 @@ static inline __attribute__((always_inline)) void attend_kv(
     const int64_t page_elems = page_size * D;
     const int vec = D % 8 == 0;
     const int64_t esize = bf16 ? 2 : 4;
+#if defined(__AMX_BF16__)
+    /* bf16 pages on AMX tiles (attend_amx.h) */
+    const int amx = bf16 && att_amx_ready(len, G, D, page_size);
+    if (amx) att_amx_scores(q, (const uint16_t *)k, (const uint16_t *)v, table, len, G, D, page_size, scale, scores);
+#else
+    const int amx = 0;
+#endif
 #if defined(__AVX512BF16__)
-    /* bf16 pages on the bf16 dot products (attend_dp.h) */
-    const int dp = bf16 && D % 32 == 0 && D <= 256 && G <= ATT_DP_MAX_G;
+    /* or on the bf16 dot products (attend_dp.h) */
+    const int dp = bf16 && !amx && D % 32 == 0 && D <= 256 && G <= ATT_DP_MAX_G;
     if (dp) att_dp_scores(q, (const uint16_t *)k, (const uint16_t *)v, table, len, G, D, page_size, scale, scores);
 #else
     const int dp = 0;
 #endif
+    const int fast = amx || dp; /* the generic loops below are skipped */
     /* bf16 pages shared by G > 1 query heads: widened once into `page` (a page of fp32,
        in L1), not once a head (the widening cost as much as the multiply-adds) */
-    const int wide = bf16 && vec && G > 1 && !dp;
+    const int wide = bf16 && vec && G > 1 && !fast;
     float page[wide ? page_elems : 1] __attribute__((aligned(32)));
-    for (int64_t t0 = 0; t0 < len && !dp; t0 += page_size) {
+    for (int64_t t0 = 0; t0 < len && !fast; t0 += page_size) {
         const int64_t off = table[t0 / page_size] * page_elems;
         const int64_t n = len - t0 < page_size ? len - t0 : page_size;
         if (t0 + page_size < len) { /* the next page of K, beyond the prefetcher's reach */
@@ -164,17 +159,22 @@ static inline __attribute__((always_inline)) void attend_kv(
     }
     float inv_sum[G];
     for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * len, m = -INFINITY;
+        float *sg = scores + g * len;
         if (cap > 0.f) att_softcap(sg + start, len - start, cap);
-        for (int64_t t = start; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        inv_sum[g] = 1.f / att_exp_sum(sg + start, len - start, m);
+        inv_sum[g] = 1.f / exp_sum(sg + start, len - start, max_of(sg + start, len - start, -INFINITY));
         memset(sg, 0, sizeof(float) * (size_t)start); /* masked keys weigh nothing */
     }
+#if defined(__AMX_BF16__)
+    if (amx) {
+        att_amx_values(scores, (const uint16_t *)v, table, len, G, D, page_size, acc);
+        _tile_release();
+    }
+#endif
 #if defined(__AVX512BF16__)
     if (dp) att_dp_values(scores, (const uint16_t *)v, table, len, G, D, page_size, acc);
 #endif
-    if (!dp) memset(acc, 0, sizeof(float) * (size_t)(G * D));
-    for (int64_t t0 = 0; t0 < len && !dp; t0 += page_size) {
+    if (!fast) memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    for (int64_t t0 = 0; t0 < len && !fast; t0 += page_size) {
         const int64_t off = table[t0 / page_size] * page_elems;
         const int64_t n = len - t0 < page_size ? len - t0 : page_size;
         const void *vp = v;

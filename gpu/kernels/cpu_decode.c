@@ -17,23 +17,6 @@
 #include <string.h>
 #include "simd.h"
 
-/* s[0..n) = exp(s - m); returns their sum */
-static float exp_sum(float *s, int64_t n, float m) {
-    float sum = 0.f;
-    int64_t i = 0;
-    v8f acc = {0};
-    for (; i + 8 <= n; i += 8) {
-        v8f e = exp8(*(v8f *)(s + i) - m);
-        *(v8f *)(s + i) = e;
-        acc += e;
-    }
-    for (; i < n; i++) {
-        s[i] = expf(s[i] - m);
-        sum += s[i];
-    }
-    return sum + hsum(acc);
-}
-
 static inline void prefetch(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 2);
 }
@@ -108,9 +91,8 @@ static void attend(const float *q, const float *k, const float *v, const int64_t
     }
     float inv_sum[G];
     for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * cnt, m = -INFINITY;
-        for (int64_t t = 0; t < cnt; t++) m = sg[t] > m ? sg[t] : m;
-        inv_sum[g] = 1.f / exp_sum(sg, cnt, m);
+        float *sg = scores + g * cnt;
+        inv_sum[g] = 1.f / exp_sum(sg, cnt, max_of(sg, cnt, -INFINITY));
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * D));
     for (int64_t t0 = start, n; t0 < len; t0 += n) {

@@ -70,36 +70,6 @@ static inline void score_rows2(const float *q0, const float *q1, const float *kt
     }
 }
 
-/* max(m, s[0, n)) */
-static inline float row_max(const float *s, int64_t n, float m) {
-    int64_t j = 0;
-    if (n >= 8) {
-        v8f mv = *(const v8f *)s;
-        for (j = 8; j + 8 <= n; j += 8) {
-            const v8f x = *(const v8f *)(s + j);
-            const v8i gt = x > mv;
-            mv = (v8f)(((v8i)x & gt) | ((v8i)mv & ~gt));
-        }
-        for (int i = 0; i < 8; i++) m = mv[i] > m ? mv[i] : m;
-    }
-    for (; j < n; j++) m = s[j] > m ? s[j] : m;
-    return m;
-}
-
-/* s[0, n) = exp(s - mx); returns their sum */
-static inline float exp_shift(float *s, int64_t n, float mx) {
-    int64_t j = 0;
-    v8f sum8 = {0};
-    for (; j + 8 <= n; j += 8) {
-        const v8f e = exp8(*(v8f *)(s + j) - mx);
-        *(v8f *)(s + j) = e;
-        sum8 += e;
-    }
-    float sum = hsum(sum8);
-    for (; j < n; j++) sum += s[j] = expf(s[j] - mx);
-    return sum;
-}
-
 /* o[0, D) = o * alpha + sum_j p[j] * v[j], n keys */
 static inline void weigh_row(float *o, float alpha, const float *p, const float *v, int64_t n,
                              int64_t D) {
@@ -166,9 +136,9 @@ static void task(const void *q, int64_t q_row, int q_bf16, const char *kh, const
                 if (!seen[u]) continue;
                 float *su = s + u * KB;
                 const int64_t ru = r + u;
-                const float mx = row_max(su, seen[u], m[ru]);
+                const float mx = max_of(su, seen[u], m[ru]);
                 const float alpha = expf(m[ru] - mx); /* exp(-inf) = 0 on the first block */
-                l[ru] = l[ru] * alpha + exp_shift(su, seen[u], mx);
+                l[ru] = l[ru] * alpha + exp_sum(su, seen[u], mx);
                 m[ru] = mx;
                 weigh_row(o + ru * D, alpha, su, vb, seen[u], D);
             }

@@ -5,6 +5,7 @@
  * gpu/native.py builds; it hashes this file with them. */
 #ifndef ACTORLM_SIMD_H
 #define ACTORLM_SIMD_H
+#include <math.h>
 #include <stdint.h>
 
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
@@ -90,6 +91,40 @@ static inline float hsumv(vf v) {
 #else
     return hsum(v);
 #endif
+}
+
+/* max(m, s[0..n)), VW lanes at a time (a scalar loop waits ~4 cycles an element on
+   the last) */
+static inline float max_of(const float *s, int64_t n, float m) {
+    int64_t i = 0;
+    if (n >= VW) {
+        vf mv = *(const vf *)s;
+        for (i = VW; i + VW <= n; i += VW) {
+            const vf x = *(const vf *)(s + i);
+            const vi gt = x > mv;
+            mv = (vf)(((vi)x & gt) | ((vi)mv & ~gt));
+        }
+        for (int j = 0; j < VW; j++) m = mv[j] > m ? mv[j] : m;
+    }
+    for (; i < n; i++) m = s[i] > m ? s[i] : m;
+    return m;
+}
+
+/* s[0..n) = exp(s - m) (m >= each s); returns their sum */
+static inline float exp_sum(float *s, int64_t n, float m) {
+    float sum = 0.f;
+    int64_t i = 0;
+    vf acc = {0};
+    for (; i + VW <= n; i += VW) {
+        const vf e = expv(*(vf *)(s + i) - m);
+        *(vf *)(s + i) = e;
+        acc += e;
+    }
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return sum + hsumv(acc);
 }
 
 /* bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest

@@ -112,10 +112,11 @@ def test_bf16_pools_take_the_bf16_kernel(heads: int, kv_heads: int, dim: int) ->
 def test_bf16_decode_kernel_in_each_isa_build(
     heads: int, kv_heads: int, dim: int, level: str
 ) -> None:
-    """Every ISA build's bf16-pool decodes (the AVX512-BF16 ones on bf16 dot products for
-    head sizes that are multiples of 32 and up to 16 query heads a KV head, fp32
-    arithmetic otherwise) against fp32 SDPA on the same values, over contexts of one
-    key, part pages, whole pages and several hundred keys."""
+    """Every ISA build's bf16-pool decodes (the AMX one on tiles for head sizes that are
+    multiples of 64, the AVX512-BF16 ones on bf16 dot products for the other multiples of
+    32, both for up to 16 query heads a KV head; fp32 arithmetic otherwise) against fp32
+    SDPA on the same values, over contexts of one key, part pages, whole pages and
+    several hundred keys."""
     torch.manual_seed(6)
     pool, meta, q, k, v = decode_batch([1, 15, 16, 17, 333], heads, kv_heads, dim, torch.bfloat16)
     pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
