@@ -134,7 +134,14 @@ void actorlm_rope_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t he
         const uint16_t *c = cos_t + t * cs_stride, *s = sin_t + t * cs_stride;
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *a = x + t * row_stride + h * head_dim, *b = a + half;
-            for (int64_t i = 0; i < half; i++) {
+            int64_t i = 0;
+            for (; i + VW <= half; i += VW) {
+                const vf x1 = load_bf16(a + i), x2 = load_bf16(b + i);
+                const vf ci = load_bf16(c + i), si = load_bf16(s + i);
+                store_bf16(a + i, round_bf16(x1 * ci) - round_bf16(x2 * si));
+                store_bf16(b + i, round_bf16(x2 * ci) + round_bf16(x1 * si));
+            }
+            for (; i < half; i++) {
                 const float x1 = bf16_f32(a[i]), x2 = bf16_f32(b[i]);
                 const float ci = bf16_f32(c[i]), si = bf16_f32(s[i]);
                 a[i] = f32_bf16(rnd(x1 * ci) + rnd(-x2 * si));
