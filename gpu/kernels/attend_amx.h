@@ -105,15 +105,13 @@ static void att_amx_values(const float *p, const uint16_t *v, const int64_t *tab
                            int64_t G, int64_t D, int64_t page_size, float *acc) {
     const int64_t lp = (len + 31) / 32 * 32;
     uint16_t *pb = att_amx_p;
-    for (int64_t g = 0; g < G; g++) {
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16)
-            _mm256_storeu_si256((__m256i *)(pb + g * lp + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * len + t)));
-        const __mmask16 m = (__mmask16)((1u << (len - t)) - 1);
-        _mm256_storeu_si256((__m256i *)(pb + g * lp + t),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + g * len + t)));
-        if (t + 16 < lp) memset(pb + g * lp + t + 16, 0, 32);
-    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t t = 0; t < lp; t += 16) { /* zeros past len */
+            const int64_t n = len - t < 0 ? 0 : len - t < 16 ? len - t : 16;
+            const __mmask16 m = (__mmask16)((1u << n) - 1);
+            _mm256_storeu_si256((__m256i *)(pb + g * lp + t),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + g * len + t)));
+        }
     __m512i vb[4][16]; /* B tiles: [lo/hi of two 32-d chunks][16 key pairs] */
     float ob[16 * 64] __attribute__((aligned(64)));
     for (int64_t e0 = 0; e0 < D; e0 += 64) {
