@@ -118,7 +118,9 @@ def test_bf16_decode_kernel_in_each_isa_build(
     SDPA on the same values, over contexts of one key, part pages, whole pages (one and two) and
     several hundred keys."""
     torch.manual_seed(6)
-    pool, meta, q, k, v = decode_batch([1, 15, 16, 17, 32, 333], heads, kv_heads, dim, torch.bfloat16)
+    pool, meta, q, k, v = decode_batch(
+        [1, 15, 16, 17, 32, 333], heads, kv_heads, dim, torch.bfloat16
+    )
     pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
     pool32.kv.copy_(pool.kv)
     ref = TorchNativeBackend(pool32, heads, dim)
