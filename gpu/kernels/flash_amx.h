@@ -5,8 +5,8 @@
  * attention (oneDNN's bf16 GEMMs between its own softmax passes) ran a 512-token prompt
  * of the default model at ~1.3 ms a layer on 2 cores, a quarter of the whole prefill.
  * Here the two products of each block run on tiles and only the online softmax runs on
- * AVX-512. A task is one KV head and up to FA_QB query tokens for the G query heads that share
- * it: its rows, 16 to a tile (one query head, 16 consecutive tokens), meet each block of
+ * AVX-512. A task is one KV head and up to FA_QB query tokens for the G query heads that
+ * share it: its rows, 16 to a tile (one query head, 16 consecutive tokens), meet each block of
  * FA_KB keys, packed once for all of them:
  *
  *   S = Q K^T    A: 16 rows of q (32 d a tile, bf16 as they are), B: K^T as bf16 pairs
@@ -65,6 +65,23 @@ static size_t fa_carve(char *buf, int64_t G, int64_t D, fa_scratch *sc) {
     }
     sc->w = (int64_t)w;
     return at;
+}
+
+/* The scratch: a buffer per thread that grows as needed and is kept (a task of 128
+   tokens of the default model's 3 query heads a KV head takes ~300 KiB, which a fresh
+   allocation a call would fault in page by page) */
+static __thread char *fa_buf;
+static __thread size_t fa_buf_bytes;
+
+static char *fa_buffer(size_t bytes) {
+    if (bytes > fa_buf_bytes) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, bytes)) return NULL;
+        free(fa_buf);
+        fa_buf = p;
+        fa_buf_bytes = bytes;
+    }
+    return fa_buf;
 }
 
 /* 2^x for x <= 0 (below -126: 2^-126), 16 at a time: 2^n * 2^f with n = round(x), the
@@ -333,7 +350,7 @@ static int fa_amx_prefill(const uint16_t *q, int64_t q_row, const uint16_t *k, c
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        char *buf = aligned_alloc(64, bytes);
+        char *buf = fa_buffer(bytes);
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -353,7 +370,6 @@ static int fa_amx_prefill(const uint16_t *q, int64_t q_row, const uint16_t *k, c
             }
             _tile_release();
         }
-        free(buf);
     }
     return failed ? -1 : 0;
 }

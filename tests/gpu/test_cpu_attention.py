@@ -264,13 +264,14 @@ def prefill_batch(
 def test_bf16_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
     heads: int, kv_heads: int, dim: int, level: str
 ) -> None:
-    """A prompt of 150 tokens (blocks of 64 queries and keys and their tails), a chunk of
-    70 over a cached 40, one of 1 token over 300: fp32 arithmetic on the bf16 values,
+    """Prompts of 150 and 400 tokens (blocks of 64 queries and keys and their tails; the
+    AMX build's tasks of 64 and 128 tokens), a chunk of 70 over a cached 40, one of 2
+    tokens over 300: fp32 arithmetic on the bf16 values,
     against fp32 SDPA on the same values (output rounded once to bf16), in each ISA
     build (the avx512 one takes two query rows a pass, the others one)."""
     torch.manual_seed(3)
     pool, meta, q, k, v = prefill_batch(
-        [0, 40, 300], [150, 70, 2], heads, kv_heads, dim, torch.bfloat16
+        [0, 40, 300, 0], [150, 70, 2, 400], heads, kv_heads, dim, torch.bfloat16
     )
     pool32 = KVPool(2, pool.num_pages, pool.page_size, kv_heads, dim, torch.float32)
     ref = TorchNativeBackend(pool32, heads, dim)
