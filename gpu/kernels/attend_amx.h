@@ -25,10 +25,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include "amx_state.h"
+#include "simd.h"
 
 /* P's rows (bf16, each padded with zeros to a multiple of 32 keys): a buffer per thread
    that grows as needed and is kept */
-static __thread uint16_t *att_amx_p;
+static __thread void *att_amx_p;
 static __thread size_t att_amx_p_bytes;
 
 /* Tiles 0-3: O (G rows), 4: P (G rows), 5: B (q^T or V pairs), 6: 16 keys, 7: S^T. */
@@ -44,13 +45,7 @@ static void att_amx_configure(int64_t G) {
 static inline int att_amx_ready(int64_t len, int64_t G, int64_t D, int64_t page_size) {
     if (D % 64 || D > 256 || G > 16 || page_size % 16 || !amx_ready()) return 0;
     const size_t bytes = (size_t)(G * ((len + 31) / 32 * 32)) * 2;
-    if (bytes > att_amx_p_bytes) {
-        void *p = NULL;
-        if (posix_memalign(&p, 64, bytes)) return 0;
-        free(att_amx_p);
-        att_amx_p = p;
-        att_amx_p_bytes = bytes;
-    }
+    if (grow_buffer(&att_amx_p, &att_amx_p_bytes, bytes) == NULL) return 0;
     att_amx_configure(G);
     return 1;
 }
@@ -104,7 +99,7 @@ static void att_amx_scores(const float *q, const uint16_t *k, const uint16_t *v,
 static void att_amx_values(const float *p, const uint16_t *v, const int64_t *table, int64_t len,
                            int64_t G, int64_t D, int64_t page_size, float *acc) {
     const int64_t lp = (len + 31) / 32 * 32;
-    uint16_t *pb = att_amx_p;
+    uint16_t *pb = (uint16_t *)att_amx_p;
     for (int64_t g = 0; g < G; g++)
         for (int64_t t = 0; t < lp; t += 16) { /* zeros past len */
             const int64_t n = len - t < 0 ? 0 : len - t < 16 ? len - t : 16;

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "simd.h"
 
 #define DP_MIN_ROWS 9 /* up to one tile of rows gemv.h's fp32 tiles serve (see there) */
 #define DP_ROWS 12  /* rows of x a pass: 2 accumulators a row in 32 registers */
@@ -32,16 +33,7 @@
 static __thread void *dp_scratch;
 static __thread size_t dp_scratch_bytes;
 
-static void *dp_buffer(size_t bytes) {
-    if (bytes > dp_scratch_bytes) {
-        void *p = NULL;
-        if (posix_memalign(&p, 64, bytes)) return NULL;
-        free(dp_scratch);
-        dp_scratch = p;
-        dp_scratch_bytes = bytes;
-    }
-    return dp_scratch;
-}
+static void *dp_buffer(size_t bytes) { return grow_buffer(&dp_scratch, &dp_scratch_bytes, bytes); }
 
 /* Row r's x (fp32, K a multiple of 32) as bf16 pairs, and for Q4_1 each block's sum of
    the rounded values. */

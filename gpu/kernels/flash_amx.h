@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "amx_state.h"
+#include "simd.h"
 
 #define FA_QB 128 /* query tokens a task, at most: the more, the fewer times a block is packed */
 #define FA_KB 64 /* keys a block: 4 C tiles of scores */
@@ -70,19 +71,8 @@ static size_t fa_carve(char *buf, int64_t G, int64_t D, fa_scratch *sc) {
 /* The scratch: a buffer per thread that grows as needed and is kept (a task of 128
    tokens of the default model's 3 query heads a KV head takes ~300 KiB, which a fresh
    allocation a call would fault in page by page) */
-static __thread char *fa_buf;
+static __thread void *fa_buf;
 static __thread size_t fa_buf_bytes;
-
-static char *fa_buffer(size_t bytes) {
-    if (bytes > fa_buf_bytes) {
-        void *p = NULL;
-        if (posix_memalign(&p, 64, bytes)) return NULL;
-        free(fa_buf);
-        fa_buf = p;
-        fa_buf_bytes = bytes;
-    }
-    return fa_buf;
-}
 
 /* 2^x for x <= 0 (below -126: 2^-126), 16 at a time: 2^n * 2^f with n = round(x), the
    degree-5 Taylor polynomial of 2^f on |f| <= 1/2 (relative error ~2e-6, far below the
@@ -350,7 +340,7 @@ static int fa_amx_prefill(const uint16_t *q, int64_t q_row, const uint16_t *k, c
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        char *buf = fa_buffer(bytes);
+        char *buf = grow_buffer(&fa_buf, &fa_buf_bytes, bytes);
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;

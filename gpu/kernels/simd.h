@@ -6,7 +6,9 @@
 #ifndef ACTORLM_SIMD_H
 #define ACTORLM_SIMD_H
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
@@ -91,6 +93,20 @@ static inline float hsumv(vf v) {
 #else
     return hsum(v);
 #endif
+}
+
+/* A scratch buffer kept between calls that grows to `bytes` (64-byte aligned): *buf and
+   *have are the caller's state, thread-local where threads call; NULL when memory could
+   not be had (the old buffer is then kept). */
+static inline void *grow_buffer(void **buf, size_t *have, size_t bytes) {
+    if (bytes > *have) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, bytes)) return NULL;
+        free(*buf);
+        *buf = p;
+        *have = bytes;
+    }
+    return *buf;
 }
 
 /* max(m, s[0..n)), VW lanes at a time (a scalar loop waits ~4 cycles an element on
