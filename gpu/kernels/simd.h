@@ -154,7 +154,6 @@ static inline uint16_t f32_bf16(float f) {
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
-
 /* 8 bf16 at a time, for element-wise loops (rounding to nearest even as above) */
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
