@@ -72,6 +72,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     on_worker_loss: str = "fail"
     # Plan and send step N+1 while the worker runs step N (the same tokens either way).
     disable_overlap_schedule: bool = False
+    # A request's tokens go to its tokenizer every this many (its first and last at
+    # once): fewer messages a token for the tokenizer and the client (SGLang's flag).
+    stream_interval: int = 1
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

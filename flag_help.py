@@ -47,6 +47,7 @@ FLAG_HELP: dict[str, str] = {
     "step_timeout_s": "a forward step taking longer than this fails its requests",
     "on_worker_loss": "running requests when the worker is lost: fail, or recompute them",
     "disable_overlap_schedule": "plan each step after the previous one returns (no overlap)",
+    "stream_interval": "stream a request's tokens every N of them (its first and last at once)",
     # cache
     "enable_prefix_cache": "share KV pages between prompts with a common prefix",
     "eviction_policy": "which cached pages go first: lru, lfu, fifo, ... or a plugin's",

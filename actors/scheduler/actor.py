@@ -58,6 +58,7 @@ from ..replicas import is_prefill_role, peer_of, prefill_schedulers, replica_ind
 from ..runtime import Actor, ActorError, handles
 from .adapters import AdapterGate
 from .policy import BatchPlanner, Refusal, Req
+from .streaming import StreamBuffer
 
 __all__ = ["SchedulerActor"]
 
@@ -95,6 +96,7 @@ class SchedulerActor(Actor):
         cfg = self.config
         self.max_queue_time = cfg.scheduler.max_queue_time_s or cfg.deploy.request_timeout_s
         self.overlap = not cfg.scheduler.disable_overlap_schedule
+        self.streaming = StreamBuffer(cfg.scheduler.stream_interval)
         self.gate = AdapterGate() if cfg.lora.enabled else None
         decode = replica_index(self.role) < cfg.router.dp_size
         self.prefill = prefill_schedulers(cfg.router) if decode else []
@@ -298,6 +300,7 @@ class SchedulerActor(Actor):
         # A stop string matched: the tokenizer has already ended the client's stream.
         if self.planner.abort(msg.rid, msg.reason, notify=False):
             self.reply_to.pop(msg.rid, None)
+            self.streaming.forget(msg.rid)
             self._wake.set()
 
     @handles(LoraSlotsChanged)
@@ -336,6 +339,7 @@ class SchedulerActor(Actor):
             if self.gate is not None:
                 self.gate.abort(rid)
             del self.reply_to[rid]
+            self.streaming.forget(rid)
         if orphans:
             log.warning("%s went down: aborted its %d request(s)", role, len(orphans))
             self._wake.set()
@@ -397,6 +401,7 @@ class SchedulerActor(Actor):
 
     # -- the loop ---------------------------------------------------------------
     async def _emit(self, deltas: list[TokenDelta]) -> None:
+        deltas = self.streaming.take(deltas)
         if not deltas:
             return
         by_dest: dict[str, list[TokenDelta]] = {}

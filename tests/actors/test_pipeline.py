@@ -226,6 +226,33 @@ def test_overlap_on_and_off_give_the_same_tokens(tiny_llama: Path) -> None:
     assert stats[1]["scheduler"]["running"] == 0
 
 
+def test_stream_interval_sends_tokens_n_at_a_time(engine: Engine, tiny_llama: Path) -> None:
+    """--stream-interval 4: a stream's first delta carries one token, the others up to
+    4, and the tokens, text and logprobs are the interval-1 engine's."""
+    prompts = _prompts(6, seed=5)
+    params = {**greedy(13), "logprobs": True}
+    want = [engine.generate(ids, params) for ids, _ in prompts]
+
+    async def run(eng: Engine) -> list[list[Any]]:
+        async def one(ids: list[int]) -> list[Any]:
+            return [d async for d in eng.stream(ids, params)]
+
+        return list(await asyncio.gather(*(one(ids) for ids, _ in prompts)))
+
+    with Engine(str(tiny_llama), kv_cache_gb=0.05, stream_interval=4, dtype="float32") as eng:
+        streams = asyncio.run(run(eng))
+    for deltas, ref in zip(streams, want, strict=True):
+        sizes = [len(d.token_ids) for d in deltas if d.token_ids]
+        assert sizes[0] == 1 and max(sizes) <= 4 and len(sizes) < 13
+        assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+        assert "".join(d.text for d in deltas) == ref.text
+        got = [lp for d in deltas for lp in (d.logprobs or [])]
+        # the reference ran alone, these together: batched fp32 sums differ in the last bits
+        assert [lp.logprob for lp in got] == pytest.approx(
+            [lp.logprob for lp in ref.logprobs], abs=1e-4
+        )
+
+
 def test_killed_worker_fails_in_flight_requests_promptly(tiny_llama: Path) -> None:
     with Engine(str(tiny_llama), kv_cache_gb=0.05) as eng:
         launcher = eng._launcher
