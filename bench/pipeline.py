@@ -4,7 +4,7 @@
 A single greedy request (``--prompt-len`` token ids, ``--new-tokens`` out, ignore_eos)
 runs ``--repeats`` times for each setting of overlap scheduling and ``--stream-interval``;
 each run gives the time a token (first token to last, over the tokens between) and,
-from ``psutil``, the CPU seconds a token of every actor process and of this one (the
+from ``/proc`` (``bench/processes.actor_cpu_seconds``), the CPU seconds a token of every actor process and of this one (the
 engine's client). The bare step is ``bench/forward.py``'s decode at batch 1 over the
 same context. On a machine whose worker threads hold every core, the other actors'
 per-message CPU is what the pipeline adds.
@@ -29,10 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/pipeline.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-import psutil  # noqa: E402
 from actorlm import Engine  # noqa: E402
 
 from bench import machine  # noqa: E402
+from bench.processes import actor_cpu_seconds  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,27 +48,12 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def cpu_seconds(procs: list[psutil.Process]) -> dict[str, float]:
-    """Each process's user + system CPU seconds, by its actor role (or 'client')."""
-    out: dict[str, float] = {}
-    for proc in procs:
-        try:
-            t = proc.cpu_times()
-            cmd = proc.cmdline()
-        except psutil.Error:
-            continue
-        role = cmd[-1] if "actorlm.actors.runtime.child" in " ".join(cmd) else "client"
-        out[role] = out.get(role, 0.0) + t.user + t.system
-    return out
-
-
 def run(args: argparse.Namespace, overlap: bool, interval: int) -> dict[str, Any]:
     ids = list(range(1000, 1000 + args.prompt_len))
     params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     options = {"stream_interval": interval, "disable_overlap_schedule": not overlap}
     runs = []
     with Engine(**options) as eng:
-        me = psutil.Process(os.getpid())
 
         async def one() -> tuple[int, float]:
             tokens, first, last = 0, 0.0, 0.0
@@ -80,11 +65,10 @@ def run(args: argparse.Namespace, overlap: bool, interval: int) -> dict[str, Any
             return tokens, last - first
 
         asyncio.run(one())  # warm-up
-        procs = [me, *me.children(recursive=True)]
         for _ in range(args.repeats):
-            before = cpu_seconds(procs)
+            before = actor_cpu_seconds(os.getpid())  # this process (the client) as 'serve'
             tokens, span = asyncio.run(one())
-            after = cpu_seconds(procs)
+            after = actor_cpu_seconds(os.getpid())
             runs.append(
                 {
                     "ms_per_token": span / (tokens - 1) * 1e3,
@@ -112,10 +96,10 @@ def main() -> None:
         ms = statistics.median(r["ms_per_token"] for r in s["runs"])
         cpu = {
             k: statistics.median(r["cpu_ms_per_token"].get(k, 0.0) for r in s["runs"])
-            for k in ("tokenizer", "scheduler", "client")
+            for k in ("tokenizer", "scheduler", "serve")
         }
         print(
-            f"| {'on' if s['overlap'] else 'off'} | {s['stream_interval']} | {ms:.2f} | {cpu['tokenizer']:.2f} / {cpu['scheduler']:.2f} / {cpu['client']:.2f} |"
+            f"| {'on' if s['overlap'] else 'off'} | {s['stream_interval']} | {ms:.2f} | {cpu['tokenizer']:.2f} / {cpu['scheduler']:.2f} / {cpu['serve']:.2f} |"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
