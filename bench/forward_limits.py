@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from actorlm.gpu.model_info import ModelInfo
+from actorlm.gpu.onednn import OneDNNLinear
 from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, native_lin
 from actorlm.gpu.runner import ModelRunner
 from torch import nn
@@ -19,7 +20,11 @@ __all__ = ["Limits", "decode_bytes", "gemm_kind", "prefill_flops"]
 
 def _linears(model: nn.Module) -> list[nn.Module]:
     """Every linear layer as the method converted it, the LM head included."""
-    found = [m for m in model.modules() if isinstance(m, nn.Linear | Fp16Linear | GGUFLinear)]
+    found = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear | Fp16Linear | GGUFLinear | OneDNNLinear)
+    ]
     inner = {id(m.dense) for m in found if isinstance(m, GGUFLinear)}
     found = [m for m in found if id(m) not in inner]
     head = getattr(model, "head", None)
@@ -35,7 +40,7 @@ def _shape(m: nn.Module) -> tuple[int, int]:
         lin = m.lin()
         assert lin is not None
         return lin.n, lin.k
-    assert isinstance(m, nn.Linear)
+    assert isinstance(m, nn.Linear | OneDNNLinear)
     return m.out_features, m.in_features
 
 
@@ -44,7 +49,7 @@ def _dense_bytes(m: nn.Module) -> int:
     if isinstance(m, GGUFLinear):
         return _dense_bytes(m.dense)
     n, k = _shape(m)
-    if isinstance(m, Fp16Linear):
+    if isinstance(m, Fp16Linear | OneDNNLinear):
         return n * k * 2
     assert isinstance(m, nn.Linear)
     return m.weight.nbytes

@@ -201,6 +201,16 @@ class FusedDecoder:
 
         return cls(model, step, pool.page_size, max_batch, level or native.best_isa().name), ""
 
+    def weight_ptrs(self) -> set[int]:
+        """Where the step's weights live (``data_ptr``): tensors it reads in their plain
+        layout, which must stay as they are (``onednn.pack_linears`` leaves them)."""
+        w = self.step.weights
+        lins = [
+            w.head,
+            *(getattr(lw, f) for lw in w.layers for f in ("qkv", "o", "gate_up", "down")),
+        ]
+        return {t.data_ptr() for lin in lins for t in getattr(lin, "keep", ())}
+
     def attach_lora(self, pool: LoraMemoryPool) -> bool:
         """Read ``pool``'s adapter slots in later steps; False where the kernel cannot
         (then steps with adapters take the model's forward)."""

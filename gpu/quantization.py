@@ -19,8 +19,8 @@ Built in:
   rows (decode; bf16 rows up to ``GGUFLinear.AMX_MAX_ROWS`` on AMX CPUs) run a C kernel
   that expands each block in registers (~5 bits read a weight, fp32 arithmetic on fp32
   activations, bf16 products on bf16 ones), larger ones (prefill) a
-  dense GEMM: the ``fp16`` path in float32, torch's bf16 GEMM (oneDNN: AMX or
-  AVX512-BF16 where the CPU has them) in bfloat16. A weight of another format runs
+  dense GEMM: the ``fp16`` path in float32, oneDNN's bf16 GEMM (AMX or AVX512-BF16
+  where the CPU has them; the dense copy packed once, ``onednn.py``) in bfloat16. A weight of another format runs
   the dense path throughout. The CPU platform's default: the default model decodes
   ~1.6x faster than with ``fp16`` at batch 1 and ~1.45x at batch 8 (bench/forward.py),
   same greedy tokens.

@@ -25,7 +25,10 @@ from actorlm.messages.step import (
     StepResult,
 )
 
-from . import attention  # noqa: F401  (registers the built-in backends)
+from . import (
+    attention,  # noqa: F401  (registers the built-in backends)
+    onednn,
+)
 from .cuda_graphs import capture_decode_graphs, use_cuda_graphs
 from .cuda_step import check_pool_fits, upload_meta
 from .forward_meta import ForwardMeta, SeqSpec
@@ -33,6 +36,7 @@ from .fused_decode import FusedDecoder
 from .grammar.manager import GrammarManager
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
+from .models.base import CausalLM
 from .platforms import Platform, resolve_dtype
 from .quantization import quantize_model
 
@@ -141,6 +145,12 @@ class ModelRunner:
             if graphs
             else FusedDecoder.build(self.model, self.backend, cfg.fused_decode_max_batch)
         )
+        # bf16 weights packed once for oneDNN, but not those the fused step reads plain,
+        # nor transformers' own modules under the fallback (its code may read them)
+        if onednn.available(self.device, self.dtype) and isinstance(self.model, CausalLM):
+            plain = self.fused.weight_ptrs() if self.fused else set()
+            packed = onednn.pack_linears(self.model, plain)
+            log.info("%d bf16 linear layers packed for oneDNN", packed)
         log.info(
             "dtype %s, kernels %s; decode %s",
             cfg.dtype,

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from actorlm.gpu import onednn
 from actorlm.gpu.forward_meta import SeqSpec
 
 from .helpers import Pages, make_runner
@@ -53,11 +54,15 @@ def hf_greedy_logits(model: Any, prompt: list[int], steps: int) -> tuple[list[in
 
 
 def forced_logits(
-    path: Path, quantization: str, prompt: list[int], tokens: list[int]
+    path: Path, quantization: str, prompt: list[int], tokens: list[int], fused: bool = True
 ) -> torch.Tensor:
-    """Ours in bf16: the prompt, then ``tokens`` fed one decode step each."""
-    runner = make_runner(path, dtype="bfloat16", quantization=quantization, num_pages=64)
-    assert runner.fused is not None  # decode steps take the fused native step
+    """Ours in bf16: the prompt, then ``tokens`` fed one decode step each (through the
+    fused native step, or with ``fused=False`` the model's own layers)."""
+    off = {} if fused else {"fused_decode_max_batch": 0}
+    runner = make_runner(path, dtype="bfloat16", quantization=quantization, num_pages=64, **off)
+    assert (runner.fused is not None) == fused
+    if not fused and onednn.available(runner.device, runner.dtype):  # packed where it runs
+        assert not any(isinstance(m, torch.nn.Linear) for m in runner.model.model.layers.modules())
     pages = Pages()
     rows = [runner.run([SeqSpec(prompt, 0, pages.table("a", len(prompt)))])[0]]
     for i, tok in enumerate(tokens[:-1]):
@@ -66,10 +71,12 @@ def forced_logits(
     return torch.stack(rows)
 
 
-def check(path: Path, quantization: str, prompt: list[int], fp32: Any = None) -> None:
+def check(
+    path: Path, quantization: str, prompt: list[int], fp32: Any = None, fused: bool = True
+) -> None:
     fp32 = fp32 if fp32 is not None else hf(path, torch.float32)  # cast below for bf16
     tokens, want = hf_greedy_logits(copy.deepcopy(fp32).to(torch.bfloat16), prompt, STEPS)
-    got = forced_logits(path, quantization, prompt, tokens)
+    got = forced_logits(path, quantization, prompt, tokens, fused)
     scale = want.abs().max().item()
     diff = (got - want).abs().max(dim=-1).values
     assert diff[0] <= 0.03 * scale, ("prefill", diff[0].item(), scale)
@@ -89,6 +96,17 @@ PROMPT = list(range(100, 141))
 
 def test_tiny_model(tiny_llama: Path) -> None:
     check(tiny_llama, "none", PROMPT)
+
+
+def test_tiny_model_through_its_layers(tiny_llama: Path) -> None:
+    """Decode through the model's layers: their linears packed for oneDNN on CPUs with
+    native bf16 (the fused step reads plain weights, so with it they stay plain)."""
+    check(tiny_llama, "none", PROMPT, fused=False)
+
+
+def test_tiny_qwen3(family_model_factory: Callable[..., Path]) -> None:
+    """Qwen3's q/k norms keep it out of the fused step: every linear runs packed."""
+    check(family_model_factory("qwen3"), "none", PROMPT, fused=False)
 
 
 def test_tiny_block_model_decodes_its_exact_blocks(
