@@ -25,6 +25,15 @@ caches are flushed after the warm-up). "x first" compares each setup's output
 throughput with the first setup of its workload.
 
     flock /tmp/cpu.lock python bench/disagg.py --num-prompts 48 --concurrency 8
+    python bench/disagg.py --setups one,cache_aware,round_robin --concurrency 8 --per-replica --confine
+
+``--per-replica`` gives each setup ``--concurrency`` requests in flight per decode
+replica, so two replicas are measured at the load that saturates each as one replica
+is; without it every setup gets the same total load, and two replicas each decode
+half the batch one replica does. ``--confine`` runs each setup's whole deployment (and
+the client) on its workers' cores only, so one replica gets one core in all and two
+get two; without it the rest of the deployment takes what the workers leave of every
+core, which for one replica is the whole second core.
 
 Writes ``--out`` (JSON; default ``bench/results/disagg.json``) and the Markdown
 table beside it (``.md``, also printed).
@@ -36,6 +45,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -82,6 +92,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--question-len", default="32:64")
     p.add_argument("--output-len", default="32")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--confine",
+        action="store_true",
+        help="run each setup's whole deployment and this client on its workers' cores "
+        "only: N replicas on N cores in all (else the rest of one replica has a core free)",
+    )
+    p.add_argument(
+        "--per-replica",
+        action="store_true",
+        help="scale each setup's concurrency by its decode replicas: the same load a "
+        "replica (throughput at a replica's saturation), not the same load in all",
+    )
     p.add_argument("--long-prompts", type=int, default=32, help="requests of the long workload")
     p.add_argument("--long-input-len", default="1024:1536")
     p.add_argument("--long-output-len", default="64")
@@ -133,6 +155,9 @@ def run_setup(
         argv += ["--prefill-replicas", str(prefill)]
         argv += ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)]
         argv += ["--max-prefill-queue", str(queue)]
+    saved = os.sched_getaffinity(0)
+    if args.confine:  # the server's processes inherit it, and the client runs under it
+        os.sched_setaffinity(0, {int(c) for c in workers})
     proc = EngineProcess(argv, {}, logs / f"{name}.log")
     try:
         asyncio.run(wait_ready(url, ("/health",), args.start_timeout, proc.alive))
@@ -155,7 +180,7 @@ def run_setup(
                 None,
                 workload,
                 lambda n: {"ignore_eos": True},
-                concurrency=args.concurrency,
+                concurrency=concurrency(args, replicas),
                 seed=args.seed,
                 progress=False,
                 desc=name,
@@ -166,6 +191,7 @@ def run_setup(
         after = cache_counts(stats)
     finally:
         proc.stop()
+        os.sched_setaffinity(0, saved)
     for r in run.results:  # the server's count (usage): exact, whatever the text decodes to
         r.output_tokens = r.server_output_tokens or 0
     summary = summarize(run.results, run.duration or None)
@@ -179,6 +205,7 @@ def run_setup(
         "prefill_replicas": prefill,
         "policy": policy or "-",
         "worker_cpus": workers,
+        "concurrency": concurrency(args, replicas),
         "hit_rate": hit_rate(before, after),
         "router": router,
         "pd": pd,
@@ -188,6 +215,11 @@ def run_setup(
         "summary": summary,
         "requests": [r.to_json() for r in run.results],
     }
+
+
+def concurrency(args: argparse.Namespace, replicas: int) -> int:
+    """Requests in flight for a setup of ``replicas`` decode replicas."""
+    return args.concurrency * (replicas if args.per_replica else 1)
 
 
 def _cpu(row: dict[str, Any]) -> str:
@@ -202,10 +234,10 @@ def _cpu(row: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     first: dict[str, float] = {}  # workload → the first setup's output throughput
     head = (
-        "| workload | setup | replicas (cores) | policy | req/s | out tok/s | x first | "
+        "| workload | setup | replicas (cores) | policy | load | req/s | out tok/s | x first | "
         "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | cache hit | failed | "
         "CPU s workers / rest |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -217,7 +249,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         replicas = f"{r['replicas']}+{prefill}P" if prefill else str(r["replicas"])
         lines.append(
             f"| {workload} | {r['setup']} | {replicas} ({','.join(r['worker_cpus'])}) | "
-            f"{r['policy']} | "
+            f"{r['policy']} | c={r.get('concurrency', '?')} | "
             f"{s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {ratio:.2f} | "
             f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} | "
             f"{s['itl_ms']['p99']:.1f} | {r['hit_rate']:.1%} | {s['failed']} | {_cpu(r)} |"
@@ -272,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model),
         "workloads": {key: workloads[key].describe() for key in sorted(used)},
         "concurrency": args.concurrency,
+        "per_replica": args.per_replica,
+        "confine": args.confine,
         "runs": rows,
     }
     machine.save(results, text, args.out)

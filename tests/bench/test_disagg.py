@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.disagg import cache_counts, hit_rate, table
+from bench.disagg import cache_counts, concurrency, hit_rate, parse_args, table
 from bench.serving_metrics import RequestResult, summarize
 
 ROOT = Path(__file__).parents[2]
@@ -32,6 +32,7 @@ def test_the_table_compares_each_workload_with_its_first_setup() -> None:
             "replicas": replicas,
             "policy": "-",
             "worker_cpus": [str(i) for i in range(replicas)],
+            "concurrency": 8 * replicas,
             "hit_rate": 0.25,
             "summary": summarize([r], 1.0),
         }
@@ -42,12 +43,19 @@ def test_the_table_compares_each_workload_with_its_first_setup() -> None:
     rows = [row("one", 1, 100), row("cache_aware", 2, 190), row("colocated", 2, 100), pd]
     rows[2]["workload"] = "long"
     text = table(rows)
-    assert "| shared | one | 1 (0) | - | 1.00 | 100.0 | 1.00 |" in text
+    assert "| shared | one | 1 (0) | - | c=8 | 1.00 | 100.0 | 1.00 |" in text
     assert text.count("| - |\n") == 3  # no CPU times recorded
-    assert "| shared | cache_aware | 2 (0,1) | - | 1.00 | 190.0 | 1.90 |" in text
-    assert "| long | pd | 1+1P (0,1) | - | 1.00 | 120.0 | 1.20 |" in text  # x colocated
+    assert "| shared | cache_aware | 2 (0,1) | - | c=16 | 1.00 | 190.0 | 1.90 |" in text
+    assert "| long | pd | 1+1P (0,1) | - | c=8 | 1.00 | 120.0 | 1.20 |" in text  # x colocated
     assert "| 5.5 / 1.5 |" in text
     assert "25.0%" in text
+
+
+def test_per_replica_scales_the_load_by_decode_replicas() -> None:
+    assert concurrency(parse_args(["--concurrency", "8"]), 2) == 8
+    assert concurrency(parse_args(["--concurrency", "8", "--per-replica"]), 2) == 16
+    assert concurrency(parse_args(["--concurrency", "8", "--per-replica"]), 1) == 8
+    assert parse_args(["--confine"]).confine and not parse_args([]).confine
 
 
 def test_help_runs() -> None:
