@@ -9,7 +9,8 @@ faster at 8-128 rows (decode batches, short prompt chunks), ~1.25x at 256, level
 
 The packed weight is opaque, so only a weight nothing else reads in its plain layout is
 packed (``pack_linears``'s ``plain``): not the rows the fused CPU decode step reads, not
-a tied LM head (the embeddings), not a view into a larger tensor (stacked experts).
+a tied LM head (the embeddings), not a view into a larger tensor, nothing under a
+module that declares ``plain_linears = True`` (MoE experts, stacked on first use).
 The packed copy replaces the plain one: no memory is added.
 """
 
@@ -48,9 +49,8 @@ class OneDNNLinear(nn.Module):
         weight = linear.weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.HINT_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach().to(weight.dtype)
-        for name in ("shards",):  # MergedLinear's row map, read by LoRA's placements
-            if hasattr(linear, name):
-                setattr(self, name, getattr(linear, name))
+        if hasattr(linear, "shards"):  # a MergedLinear's map of its HF projections' rows
+            self.shards = linear.shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
@@ -76,11 +76,21 @@ def packable(module: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module, plain: set[int]) -> int:
     """Replace every packable linear of ``model`` with a ``OneDNNLinear``, but those
-    whose weight's ``data_ptr`` is in ``plain``; returns the count."""
+    whose weight's ``data_ptr`` is in ``plain`` and those under a module whose class
+    says ``plain_linears = True`` (its code reads their weights: MoE experts stacked on
+    first use; a plugin's model or layer); returns the count."""
+    kept = [n for n, m in model.named_modules() if getattr(type(m), "plain_linears", False)]
+
+    def left_plain(name: str) -> bool:
+        return any(not k or name == k or name.startswith(k + ".") for k in kept)
+
     targets = [
         (n, m)
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and packable(m) and m.weight.data_ptr() not in plain
+        if isinstance(m, nn.Linear)
+        and packable(m)
+        and m.weight.data_ptr() not in plain
+        and not left_plain(n)
     ]
     for name, module in targets:
         parent_name, _, leaf = name.rpartition(".")

@@ -136,6 +136,7 @@ def _plain(module: nn.Module) -> bool:
 
 class SparseMoE(nn.Module):
     experts_kernel: ClassVar[ExpertsKernel] = staticmethod(stacked_experts)
+    plain_linears: ClassVar[bool] = True  # its experts' weights are stacked on first use
 
     def __init__(
         self,

@@ -59,6 +59,14 @@ def test_products_match_f_linear(rows: int, bias: bool) -> None:
     )
 
 
+class _ReadsItsWeights(nn.Module):
+    plain_linears = True  # its code reads proj.weight itself
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 16, bias=False).to(torch.bfloat16)
+
+
 def test_what_is_packed() -> None:
     merged = MergedLinear(64, [("q", 32), ("k", 16)], bias=False).to(torch.bfloat16)
     stacked = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
@@ -70,6 +78,7 @@ def test_what_is_packed() -> None:
             "fp32": nn.Linear(64, 8),
             "view": view,
             "kept": nn.Linear(64, 8).to(torch.bfloat16),
+            "reads": _ReadsItsWeights(),
         }
     )
     kept = model["kept"].weight.data_ptr()
@@ -77,6 +86,7 @@ def test_what_is_packed() -> None:
     assert isinstance(model["merged"], OneDNNLinear)
     assert model["merged"].shards == {"q": (0, 32), "k": (32, 16)}  # LoRA's row map
     assert type(model["fp32"]) is nn.Linear and type(model["kept"]) is nn.Linear
+    assert type(model["reads"].proj) is nn.Linear  # under plain_linears
     assert not packable(model["view"])
 
 
