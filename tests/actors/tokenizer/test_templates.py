@@ -16,7 +16,11 @@ from actorlm.config import EngineConfig, ModelConfig, ServerConfig
 from actorlm.messages.errors import ErrorCode
 from actorlm.messages.generate import ChatMessage, GenerateRequest, TextBatch, TokenizedRequest
 
-SLOW = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+# ~2 s to render here (64M loop steps): past the tests' 0.5 s limit on any machine, yet
+# finite. Its thread outlives the test (a render cannot be stopped), and an endless one
+# held a core and the GIL for the rest of the suite's process: the GGUF tokenizer
+# conversion in test_tokenization.py took ~80 s behind it instead of ~5.
+SLOW = "{% for i in range(8000) %}{% for j in range(8000) %}{% endfor %}{% endfor %}"
 HI = [ChatMessage(role="user", content="hi")]
 
 
