@@ -144,6 +144,7 @@ def run_setup(
     name: str, args: argparse.Namespace, model: Path, cpus: list[str], workload: Any, logs: Path
 ) -> dict[str, Any]:
     replicas, policy, prefill, _, queue = SETUPS[name]
+    load = concurrency(args, replicas)
     workers = cpus[: replicas + prefill]
     port = free_port("127.0.0.1", 31000)
     url = f"http://127.0.0.1:{port}"
@@ -180,7 +181,7 @@ def run_setup(
                 None,
                 workload,
                 lambda n: {"ignore_eos": True},
-                concurrency=concurrency(args, replicas),
+                concurrency=load,
                 seed=args.seed,
                 progress=False,
                 desc=name,
@@ -205,7 +206,7 @@ def run_setup(
         "prefill_replicas": prefill,
         "policy": policy or "-",
         "worker_cpus": workers,
-        "concurrency": concurrency(args, replicas),
+        "concurrency": load,
         "hit_rate": hit_rate(before, after),
         "router": router,
         "pd": pd,

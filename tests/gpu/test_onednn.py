@@ -41,7 +41,9 @@ def test_products_match_f_linear(rows: int, bias: bool) -> None:
             lin.bias.copy_(torch.randn(136, generator=g))
     x = torch.randn(rows, 192, generator=g).to(torch.bfloat16)
     want = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
-    got = OneDNNLinear(lin)(x)
+    layer = OneDNNLinear(lin)
+    assert layer.packed.is_mkldnn and not hasattr(layer, "weight")  # no plain copy kept
+    got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 136)
     # fp32 accumulation either way; the output rounds to bf16 (8 bits of mantissa)
     tol = want.abs().max().item() * 2**-7
