@@ -205,7 +205,11 @@ def openapi_document(model: str, max_tokens: int, version: str = "") -> dict[str
     replica = {
         "type": "object",
         "required": ["replica"],
-        "properties": {"replica": {"type": "integer"}, "restart": {"type": "boolean"}},
+        "properties": {
+            "replica": {"type": "integer"},
+            "restart": {"type": "boolean"},
+            "timeout": {"type": "number", "minimum": 0},
+        },
     }
     lora = {
         f"{prefix}/{verb}_lora_adapter": _post(summary, schema, "done")

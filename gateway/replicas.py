@@ -1,7 +1,8 @@
 """Draining one data-parallel replica while the others serve (``--dp-size`` > 1).
 
 ``POST /drain_replica {"replica": i}`` takes replica ``i`` out of the router (nothing new
-goes to it), waits for the requests it holds to finish (up to ``--shutdown-timeout``),
+goes to it), waits for the requests it holds to finish (up to ``"timeout"`` seconds,
+``--shutdown-timeout`` by default),
 then has the launcher restart its scheduler, cache manager and worker (a planned restart:
 an upgrade picks up new code or weights this way), and puts it back in the router. Not a
 request fails: the other replicas take the traffic meanwhile. With ``"restart": false``
@@ -53,6 +54,10 @@ async def _drain(state: GatewayState, replica: int, drain: bool) -> int:
 async def drain_replica(request: web.Request) -> web.Response:
     state, f, replica = await _replica(request)
     restart = f.bool("restart", True)
+    timeout = f.float("timeout", state.config.server.drain_timeout_s)
+    assert timeout is not None
+    if timeout < 0:
+        raise ApiError(400, "'timeout' must be at least 0 (seconds)", param="timeout")
     if restart and state.restart_members is None:
         raise ApiError(
             400,
@@ -61,7 +66,7 @@ async def drain_replica(request: web.Request) -> web.Response:
             param="restart",
         )
     start = time.monotonic()
-    deadline = start + state.config.server.drain_timeout_s
+    deadline = start + timeout
     load = await _drain(state, replica, True)
     while load and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)

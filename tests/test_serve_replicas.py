@@ -139,7 +139,8 @@ def test_a_drained_replica_restarts_while_the_other_serves_and_no_request_fails(
     clients = [threading.Thread(target=traffic) for _ in range(2)]
     for t in clients:
         t.start()
-    status, body = http(f"{served.url}/drain_replica", {"replica": target})
+    # the stream may take longer than --shutdown-timeout (5 s) beside the traffic on 2 cores
+    status, body = http(f"{served.url}/drain_replica", {"replica": target, "timeout": 40})
     after_restart = len(outs)
     time.sleep(1.0)  # traffic goes on with the replica back
     stop.set()
@@ -165,6 +166,8 @@ def test_a_drained_replica_restarts_while_the_other_serves_and_no_request_fails(
         time.sleep(0.2)
     status, body = http(f"{served.url}/drain_replica", {"replica": 5})
     assert status == 400 and "'replica'" in body["error"]["message"], body
+    status, body = http(f"{served.url}/drain_replica", {"replica": 0, "timeout": -1})
+    assert status == 400 and body["error"]["param"] == "timeout", body
 
 
 GREEDY_BODY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
