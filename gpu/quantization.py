@@ -153,7 +153,9 @@ class GGUFLinear(nn.Module):
     # bf16 rows on AMX tiles (kernels/amx.h) read the blocks' ~5 bits a weight where
     # torch's bf16 GEMM reads a bf16 copy: all 30 layers of the default model's linears
     # at 16 / 32 / 48 rows took 6.4 / 10.7 / 15.9 ms against 17.2 / ~19 / 21.0, level at
-    # 64 (weights cold, as in a forward pass; 2-core Xeon, 2026-12-03).
+    # 64 (weights cold, as in a forward pass; 2-core Xeon, 2026-12-03). Against the copy
+    # packed for oneDNN (onednn.py), 8.1 / 13.4 / 19.9 ms against 13.0 / 17.4 / 18.9: level
+    # between 44 and 48 rows.
     AMX_MAX_ROWS: ClassVar[int] = 48
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, dense: nn.Module) -> None:
