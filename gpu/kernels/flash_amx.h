@@ -341,6 +341,7 @@ static int fa_amx_prefill(const uint16_t *q, int64_t q_row, const uint16_t *k, c
     const int64_t head = num_pages * ps * D;
     /* tasks of FA_QB tokens, or fewer where that leaves under 4 a thread (down to 32) */
     int64_t qb = FA_QB;
+    while (qb > 32 && G * qb > 512) qb /= 2; /* a task's rows' scratch stays in L2 */
     while (qb > 32 && (n + qb - 1) / qb * Hkv < 4 * threads) qb /= 2;
     const int64_t blocks = (n + qb - 1) / qb, tasks = blocks * Hkv;
     fa_scratch none;
