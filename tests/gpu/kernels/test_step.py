@@ -111,6 +111,17 @@ def test_a_batch_of_32(tiny_llama: Path) -> None:
     assert_fused_matches_model(tiny_llama, prompts=WIDE, steps=3)
 
 
+# contexts of hundreds of keys, beside a short one
+LONG = [list(range(1, 1201)), [(5 * j) % 900 + 1 for j in range(600)], list(range(3, 515)), [9]]
+
+
+def test_long_contexts(tiny_llama: Path) -> None:
+    """Contexts of 1,200, 600 and 514 tokens beside a short one, and the longest alone,
+    as the model's own forward attends them."""
+    assert_fused_matches_model(tiny_llama, prompts=LONG, steps=3)
+    assert_fused_matches_model(tiny_llama, prompts=LONG[:1], steps=2)
+
+
 def test_mha(tiny_model_factory: Callable[..., Path]) -> None:
     assert_fused_matches_model(tiny_model_factory("llama", num_key_value_heads=4))
 
@@ -163,14 +174,17 @@ def test_a_plugins_attention_backend_sees_every_step(tiny_llama: Path) -> None:
     assert decoder is None and why == "attention backend Recording"
 
 
-def test_results_do_not_depend_on_the_thread_count(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("prompts", [PROMPTS, LONG[:2]], ids=["short", "long"])
+def test_results_do_not_depend_on_the_thread_count(
+    tiny_llama: Path, prompts: list[list[int]]
+) -> None:
     """Each output column and each (sequence, head) is one thread's whole job, and the
     norms are computed alike by every thread: 1 or 3 threads give the same bits."""
     before = torch.get_num_threads()
     out = []
     try:
         for threads in (1, 3):
-            out.append(decode_steps(make_runner(tiny_llama, num_threads=threads), PROMPTS, 3)[0])
+            out.append(decode_steps(make_runner(tiny_llama, num_threads=threads), prompts, 3)[0])
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
