@@ -155,7 +155,7 @@ class ModelRunner:
             "dtype %s, kernels %s; decode %s",
             cfg.dtype,
             _isa_words(platform),
-            f"steps of <= {self.fused.max_batch} sequences as one native call"
+            f"steps of <= {self.fused.max_batch} rows as one native call"
             if self.fused
             else f"through the model ({why})",
         )

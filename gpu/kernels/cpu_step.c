@@ -6,7 +6,8 @@
  * the phases of each layer are separated by barriers only:
  *
  *   qkv = norm(residual) @ Wqkv           (columns split over threads)
- *   per (sequence, KV head): RoPE on q and k, k and v into the pool, attention
+ *   per (row, KV head): RoPE on q and k, k and v into the pool, attention (rows of
+ *                                         one sequence: every row's k and v first)
  *   o = attn @ Wo;  residual += o         (every thread keeps its own copy of the
  *   act = silu(gate) * up                  residual rows and their norm: a few KiB,
  *   down = act @ Wdown; residual += down   cheaper than a barrier to share them)
@@ -135,8 +136,25 @@ static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     *hi = n * (t + 1) / nt;
 }
 
-/* Sequence b's attention for KV head h in layer l: rotate its q heads and k, store k
-   and v at the new token's slot, attend over seq_len tokens. */
+/* The G query heads of KV head h (rotated, in qkv's row b) over seq_len tokens */
+static void attend_task(const model_t *M, int64_t l, int64_t b, int64_t h, const float *qkv,
+                        int64_t qkv_n, const int64_t *pages, int64_t seq_len, float *scores,
+                        float *acc, float *out) {
+    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, Hkv = M->kv_heads;
+    const int64_t head_elems = M->num_pages * M->page_size * D, esize = M->kv_bf16 ? 2 : 4;
+    const float *q = qkv + b * qkv_n + h * G * D;
+    const char *kbase = (const char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
+    const char *vbase = (const char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
+    if (M->kv_bf16)
+        attend_kv(1, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
+                  acc, out);
+    else
+        attend_kv(0, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
+                  acc, out);
+}
+
+/* Sequence b's KV head h in layer l: rotate its q heads and k, store k and v at the new
+   token's slot, then (out not NULL) attend over seq_len tokens. */
 static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, float *qkv,
                            int64_t qkv_n, const float *cos_t, const float *sin_t, int64_t slot,
                            const int64_t *pages, int64_t seq_len, float *scores, float *acc,
@@ -154,12 +172,7 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
     char *vbase = (char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
     store_row(kbase + slot * D * esize, (int)M->kv_bf16, k, D);
     store_row(vbase + slot * D * esize, (int)M->kv_bf16, v, D);
-    if (M->kv_bf16)
-        attend_kv(1, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
-                  acc, out);
-    else
-        attend_kv(0, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
-                  acc, out);
+    if (out) attend_task(M, l, b, h, qkv, qkv_n, pages, seq_len, scores, acc, out);
 }
 
 /* act[:, c0:c1] = silu(gate) * up, gate and up computed SILU_CHUNK columns at a time;
@@ -192,12 +205,17 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
  * slots [B] flat KV slot of each new token; pages [B, table_stride] page ids;
  * seq_lens [B] tokens to attend to (the new one included); logits [B, vocab] fp32;
  * row_slots [B] each row's adapter slot (< 0: the base model), or NULL: no adapters.
+ * Rows may be consecutive tokens of one sequence (a short prompt, or the new tokens
+ * over a cached prefix): with `store_first` every row's K and V go to the pool before any
+ * row attends. head_rows [n_head] (ascending), or NULL: the rows that get logits
+ * [n_head, vocab] (each sequence's last), or all B.
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
 int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, const float *cos_t,
                         const float *sin_t, const int64_t *slots, const int64_t *pages,
                         int64_t table_stride, const int64_t *seq_lens, int64_t max_len,
-                        float *logits, const int32_t *row_slots, int threads) {
+                        float *logits, const int32_t *row_slots, int64_t store_first,
+                        const int64_t *head_rows, int64_t n_head, int threads) {
     const int64_t Hd = M->hidden, D = M->head_dim, H = M->heads, Hkv = M->kv_heads;
     const int64_t I = M->inter, G = H / Hkv;
     const int64_t qkv_n = (H + 2 * Hkv) * D;
@@ -263,7 +281,15 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                     }
                     attention_task(M, l, b, h, qkv, qkv_n, cos_t, sin_t, slots[b],
                                    pages + b * table_stride, seq_lens[b], scores, acc,
-                                   attn + b * H * D + h * G * D);
+                                   store_first ? NULL : attn + b * H * D + h * G * D);
+                }
+                if (store_first) { /* every row's key is in the pool: now they attend */
+                    team_wait(&team, nt, &phase);
+                    for (int64_t task = lo; task < hi; task++) {
+                        const int64_t b = task / Hkv, h = task % Hkv;
+                        attend_task(M, l, b, h, qkv, qkv_n, pages + b * table_stride,
+                                    seq_lens[b], scores, acc, attn + b * H * D + h * G * D);
+                    }
                 }
                 team_wait(&team, nt, &phase);
                 lin_part(Hd, t, nt, &c0, &c1);
@@ -288,8 +314,14 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 const float *next = l + 1 < M->num_layers ? M->layers[l + 1].in_norm : M->final_norm;
                 norm_rows(res, next, xn, B, Hd, eps);
             }
+            int64_t rows = B;
+            if (head_rows) { /* the rows that get logits, packed to the front */
+                for (int64_t i = 0; i < n_head; i++)
+                    if (head_rows[i] != i) memmove(xn + i * Hd, xn + head_rows[i] * Hd, sizeof(float) * (size_t)Hd);
+                rows = n_head;
+            }
             lin_part(M->vocab, t, nt, &c0, &c1);
-            lin_cols(&M->head, xn, B, Hd, c0, c1, logits, M->vocab);
+            lin_cols(&M->head, xn, rows, Hd, c0, c1, logits, M->vocab);
         }
         free(res);
     }

@@ -71,7 +71,7 @@ def native_step(level: str = "") -> Any | None:
     if lib is None:
         return None
     step = lib.actorlm_decode_step
-    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _T]
+    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _T]  # fmt: skip
     step.restype = ctypes.c_int
     attn = lib.actorlm_paged_decode_kv
     attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _T]
@@ -218,12 +218,15 @@ class DecodeStep:
         seq_lens: np.ndarray,
         threads: int = 0,
         row_slots: torch.Tensor | None = None,
+        head_rows: np.ndarray | None = None,
     ) -> torch.Tensor:
         """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
         [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
         ``threads`` threads (default torch's count; the results do not depend on it).
         ``row_slots`` [B] int32: each row's adapter slot (-1: the base model; needs
-        ``set_lora``), or None for the base model alone."""
+        ``set_lora``), or None for the base model alone. ``head_rows`` [N] int64,
+        ascending: rows may be consecutive tokens of one sequence (each row's K and V
+        reach the pool before any row attends), and only these N get logits [N, vocab]."""
         B = tokens.shape[0]
         lora = None
         if row_slots is not None:
@@ -232,12 +235,16 @@ class DecodeStep:
             if row_slots.dtype != torch.int32 or row_slots.shape != (B,):
                 raise ValueError(f"row_slots must be [{B}] int32")
             lora = row_slots.contiguous()
-        logits = torch.empty(B, self.vocab)
+        shared = head_rows is not None
+        if shared and (head_rows.dtype != np.int64 or not head_rows.flags.c_contiguous):
+            raise ValueError("head_rows must be contiguous int64")
+        logits = torch.empty(len(head_rows) if shared else B, self.vocab)
         rc = self._fn(
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
             int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
-            threads or torch.get_num_threads(),
+            int(shared), head_rows.ctypes.data if shared else None,
+            len(head_rows) if shared else 0, threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode step: out of memory for its scratch")

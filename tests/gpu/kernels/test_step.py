@@ -122,6 +122,30 @@ def test_long_contexts(tiny_llama: Path) -> None:
     assert_fused_matches_model(tiny_llama, prompts=LONG[:1], steps=2)
 
 
+def test_short_prompts_and_extensions_of_a_cached_prefix(tiny_llama: Path) -> None:
+    """Steps whose rows are a few new tokens of one sequence (a short prompt, the
+    tokens over a cached prefix, across a page's end) beside decodes of others: each
+    row attends to the keys up to its own, the sequence's last row gives its logits, as
+    the model's forward gives them."""
+    fused = make_runner(tiny_llama)
+    plain = make_runner(tiny_llama, fused_decode_max_batch=0)
+    assert fused.fused is not None and plain.fused is None
+    pages = list(range(fused.pool.num_pages))
+    random.Random(5).shuffle(pages)
+    a, b, c = pages[:8], pages[8:16], pages[16:24]
+    steps = [
+        [SeqSpec(LONG[1][:40], 0, a), SeqSpec(PROMPTS[1], 0, b)],  # prompts: the forward
+        [SeqSpec(LONG[1][40:46], 40, a), SeqSpec([7], 9, b), SeqSpec([3, 4, 5], 0, c)],
+        [SeqSpec(LONG[1][46:60], 46, a, prompt_len=60), SeqSpec([8], 10, b)],  # page 3 to 4
+        [SeqSpec([11], 60, a), SeqSpec([12], 11, b), SeqSpec([13, 14], 3, c)],
+    ]
+    for i, step in enumerate(steps):
+        assert fused.fused.accepts(step) == (i > 0)
+        got, want = fused.run(step), plain.run(step)
+        assert got.shape == (len(step), fused.info.vocab_size)
+        assert (got - want).abs().max().item() < TOL, i
+
+
 def test_mha(tiny_model_factory: Callable[..., Path]) -> None:
     assert_fused_matches_model(tiny_model_factory("llama", num_key_value_heads=4))
 
@@ -148,8 +172,12 @@ def test_which_steps_it_takes(tiny_llama: Path) -> None:
     one = SeqSpec([5], 3, [0])
     assert fused.accepts([one]) and fused.accepts([one, one])
     assert not fused.accepts([one, one, one])  # beyond max_batch
-    assert not fused.accepts([SeqSpec([5, 6], 3, [0])])  # an extend
-    assert not fused.accepts([one, SeqSpec([5, 6], 0, [0])])  # mixed
+    assert fused.accepts([SeqSpec([5, 6], 3, [0])])  # an extend of two rows
+    assert not fused.accepts([one, SeqSpec([5, 6], 0, [0])])  # three rows
+    assert not fused.accepts([SeqSpec([5, 6, 7], 0, [0])])  # a prompt of three
+    wide = make_runner(tiny_llama).fused
+    assert wide is not None and wide.accepts([SeqSpec([5] * FusedDecoder.MAX_NEW, 0, [0])])
+    assert not wide.accepts([SeqSpec([5] * (FusedDecoder.MAX_NEW + 1), 0, [0])])
     assert not fused.accepts([SeqSpec([5], 3, [0], sample=False)])
     assert not fused.accepts([])
     assert make_runner(tiny_llama, fused_decode_max_batch=0).fused is None
