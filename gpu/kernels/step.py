@@ -235,16 +235,17 @@ class DecodeStep:
             if row_slots.dtype != torch.int32 or row_slots.shape != (B,):
                 raise ValueError(f"row_slots must be [{B}] int32")
             lora = row_slots.contiguous()
-        shared = head_rows is not None
-        if shared and (head_rows.dtype != np.int64 or not head_rows.flags.c_contiguous):
-            raise ValueError("head_rows must be contiguous int64")
-        logits = torch.empty(len(head_rows) if shared else B, self.vocab)
+        heads, n_head = None, B
+        if head_rows is not None:
+            if head_rows.dtype != np.int64 or not head_rows.flags.c_contiguous:
+                raise ValueError("head_rows must be contiguous int64")
+            heads, n_head = head_rows.ctypes.data, len(head_rows)
+        logits = torch.empty(n_head, self.vocab)
         rc = self._fn(
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
             int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
-            int(shared), head_rows.ctypes.data if shared else None,
-            len(head_rows) if shared else 0, threads or torch.get_num_threads(),
+            int(heads is not None), heads, n_head, threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode step: out of memory for its scratch")

@@ -103,7 +103,12 @@ def test_mixed_batches_with_fewer_slots_than_adapters_match_peft(
         assert out.token_ids == reference[name][0], name
     stats = engine.stats()
     assert stats["lora_loader"]["slot_evictions"] > before
-    assert stats["lora_loader"]["adapter_refs"] == 0 and stats["scheduler"]["lora_requests"] == 0
+    # the references go at the scheduler's next adapter round, after the last outputs
+    deadline = time.monotonic() + 10
+    while stats["lora_loader"]["adapter_refs"] or stats["scheduler"]["lora_requests"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+        stats = engine.stats()
 
 
 def test_the_prefix_cache_never_shares_kv_across_adapters(
