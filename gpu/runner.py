@@ -152,12 +152,13 @@ class ModelRunner:
             packed = onednn.pack_linears(self.model, plain)
             log.info("%d bf16 linear layers packed for oneDNN", packed)
         log.info(
-            "dtype %s, kernels %s; decode %s",
+            "dtype %s, kernels %s; %s",
             cfg.dtype,
             _isa_words(platform),
-            f"steps of <= {self.fused.max_batch} rows as one native call"
+            f"decodes and short extensions in steps of <= {self.fused.max_batch} rows as one "
+            "native call"
             if self.fused
-            else f"through the model ({why})",
+            else f"decode through the model ({why})",
         )
         self.lora: LoraMemoryPool | None = None  # adapter slots, once enable_lora ran
 
