@@ -36,6 +36,7 @@ from .attention.base import AttentionBackend
 from .attention.cpu import CpuBackend
 from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
+from .kernels.attention import prefill_tiles
 from .kernels.step import DecodeStep, LayerWeights, StepWeights, native_step
 from .kv_pool import KVPool
 from .models.layers import Attention, GatedMLP, RMSNorm
@@ -159,13 +160,17 @@ class ThreadChooser:
 
 class FusedDecoder:
     """Serves steps of up to ``max_batch`` rows in one native call: decodes, and short
-    prompts and extensions of a cached prefix (``MAX_NEW`` tokens), a row a token."""
+    prompts and extensions of a cached prefix (``max_new`` tokens), a row a token."""
 
-    # A sequence's new tokens the step takes, a row each. Each row reads its context's K
-    # and V, where the prompt kernel reads them once a block of tokens: 4 / 8 / 16 / 32
-    # tokens over 1,104 cached took 9.4 / 11.9 / 17.1 / 28.3 ms here against 17.0 / 18.1 /
-    # 20.1 / 28.9 through the model (default model, bf16, 2-core Xeon, 2026-12-03).
-    MAX_NEW: ClassVar[int] = 16
+    # A sequence's new tokens the step takes, a row each. Over a bf16 pool on a CPU with
+    # AMX tiles, a sequence's rows (8 or more) attend together as prompts do
+    # (flash_amx.h: K and V read once a block of rows); elsewhere each row reads its
+    # whole context, and past 16 rows that costs what the model's forward does. Default
+    # model, bf16, over 1,104 cached tokens, 2-core Xeon (bench/extend.py), fused step
+    # against the model: 16 tokens 13.7 against 19.7 ms, 32 tokens 19.4 against 27.2; a
+    # row each: 16 tokens 15.9 against 18.1, 32 tokens 28.3 against 28.9.
+    MAX_NEW: ClassVar[int] = 32  # rows of one sequence on tiles
+    MAX_NEW_ROWWISE: ClassVar[int] = 16
 
     def __init__(
         self, model: Any, step: DecodeStep, page_size: int, max_batch: int, level: str
@@ -175,6 +180,8 @@ class FusedDecoder:
         self.page_size = page_size
         self.max_batch = max_batch
         self.isa = level
+        tiles = step.kv_bf16 and step.weights.head_dim % 64 == 0 and prefill_tiles(level)
+        self.max_new = self.MAX_NEW if tiles and level == "amx" else self.MAX_NEW_ROWWISE
         self.threads = ThreadChooser()
 
     @classmethod
@@ -235,7 +242,7 @@ class FusedDecoder:
 
     def accepts(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> bool:
         """Whether the step is this decoder's: every sequence is sampled, their new
-        tokens (one a decode; up to ``MAX_NEW`` for a short prompt or the tokens over a
+        tokens (one a decode; up to ``max_new`` for a short prompt or the tokens over a
         cached prefix) are at most ``max_batch`` rows, and its adapters (``plan``) are
         in slots the step reads, for decodes alone."""
         news = [len(s.input_ids) for s in seqs]
@@ -243,7 +250,7 @@ class FusedDecoder:
         if plan is not None and (plan.rows is None or not self.step.has_lora or rows > len(seqs)):
             return False
         return (
-            0 < rows <= self.max_batch and max(news) <= self.MAX_NEW and all(s.sample for s in seqs)
+            0 < rows <= self.max_batch and max(news) <= self.max_new and all(s.sample for s in seqs)
         )
 
     def run(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> torch.Tensor:

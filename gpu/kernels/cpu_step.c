@@ -33,6 +33,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include "attend.h"
+#if defined(__AMX_BF16__)
+#include "flash_amx.h"
+#endif
 #include "gemv.h"
 #include "lora.h"
 
@@ -175,6 +178,45 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
     if (out) attend_task(M, l, b, h, qkv, qkv_n, pages, seq_len, scores, acc, out);
 }
 
+#if defined(__AMX_BF16__)
+/* Fewer rows of a sequence attend a row at a time: the tiles' packing of K and V costs
+   more than their re-reads (2 / 4 new tokens over 1,104 cached: 10.4 / 11.8 ms a step
+   on tiles, 8.6 / 10.9 a row at a time; level at 8) */
+#define FLASH_MIN_ROWS 8
+
+/* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
+   over a bf16 pool, on AMX tiles as prompts run (flash_amx.h): K and V are read once a
+   block for all the rows, where attend_task reads them once a row. q16, o16: the
+   thread's scratch of n * G * D each. 0, or -1 (nothing written: no scratch). */
+static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
+                      const float *qkv, int64_t qkv_n, const int64_t *pages, int64_t start,
+                      uint16_t *q16, uint16_t *o16, float *attn) {
+    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, Hkv = M->kv_heads;
+    const int64_t GD = G * D, HD = M->heads * D;
+    fa_scratch sc;
+    char *buf = grow_buffer(&fa_buf, &fa_buf_bytes, fa_carve(NULL, G, D, &sc));
+    if (buf == NULL) return -1;
+    fa_carve(buf, G, D, &sc);
+    for (int64_t t = 0; t < n; t++) {
+        const float *q = qkv + (r0 + t) * qkv_n + h * GD;
+        for (int64_t j = 0; j < GD; j++) q16[t * GD + j] = f32_bf16(q[j]);
+    }
+    const int64_t head_elems = M->num_pages * M->page_size * D;
+    const uint16_t *kh = (const uint16_t *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems;
+    const uint16_t *vh = (const uint16_t *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems;
+    amx_configure_tiles(6);
+    for (int64_t t0 = 0; t0 < n; t0 += FA_QB)
+        fa_task(q16, GD, kh, vh, pages, start, t0, t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D,
+                M->page_size, (float)M->scale, o16, GD, &sc);
+    _tile_release();
+    for (int64_t t = 0; t < n; t++) {
+        float *o = attn + (r0 + t) * HD + h * GD;
+        for (int64_t j = 0; j < GD; j++) o[j] = bf16_f32(o16[t * GD + j]);
+    }
+    return 0;
+}
+#endif
+
 /* act[:, c0:c1] = silu(gate) * up, gate and up computed SILU_CHUNK columns at a time;
    with ll (this layer's adapters), each row's gate and up deltas from u_gu first */
 static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hidden,
@@ -206,9 +248,10 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
  * seq_lens [B] tokens to attend to (the new one included); logits [B, vocab] fp32;
  * row_slots [B] each row's adapter slot (< 0: the base model), or NULL: no adapters.
  * Rows may be consecutive tokens of one sequence (a short prompt, or the new tokens
- * over a cached prefix): with `store_first` every row's K and V go to the pool before any
- * row attends. head_rows [n_head] (ascending), or NULL: the rows that get logits
- * [n_head, vocab] (each sequence's last), or all B.
+ * over a cached prefix): with `store_first` every row's K and V go to the pool before
+ * any row attends (2: a sequence's rows attend together on AMX tiles where the build has
+ * them). head_rows [n_head] (ascending), or NULL: the rows that get logits [n_head,
+ * vocab] (each sequence's last), or all B.
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
 int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, const float *cos_t,
@@ -221,6 +264,10 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int64_t qkv_n = (H + 2 * Hkv) * D;
     const float eps = (float)M->eps;
     const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
+#if defined(__AMX_BF16__)
+    /* rows of one sequence over a bf16 pool attend on tiles, as prompts do */
+    const int tiles = store_first == 2 && M->kv_bf16 && D % 64 == 0 && amx_ready();
+#endif
     if (R > LORA_MAX_RANK) return -1;
     /* shared between the threads: each phase's output (and the adapters' shrinks) */
     float *shared = malloc(sizeof(float) * (size_t)(B * (qkv_n + H * D + Hd + I + 5 * R)));
@@ -234,7 +281,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t phase = 0;
         float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + G * D +
-                                                     G * max_len + 2 * B * R + 8));
+                                                     G * max_len + 2 * B * R + B * G * D + 8));
         if (res == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -244,6 +291,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             float *xn = res + B * Hd, *tg = xn + B * Hd, *tu = tg + B * SILU_CHUNK;
             float *acc = tu + B * SILU_CHUNK, *scores = acc + G * D;
             float *u_gu = scores + G * max_len; /* this thread's gate and up shrinks */
+            uint16_t *q16 = (uint16_t *)(u_gu + 2 * B * R), *o16 = q16 + B * G * D;
+            (void)q16, (void)o16;
             for (int64_t b = 0; b < B; b++) {
                 const int64_t tok = tokens[b];
                 if (M->embed_bf16)
@@ -285,11 +334,29 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 }
                 if (store_first) { /* every row's key is in the pool: now they attend */
                     team_wait(&team, nt, &phase);
-                    for (int64_t task = lo; task < hi; task++) {
-                        const int64_t b = task / Hkv, h = task % Hkv;
-                        attend_task(M, l, b, h, qkv, qkv_n, pages + b * table_stride,
-                                    seq_lens[b], scores, acc, attn + b * H * D + h * G * D);
-                    }
+#if defined(__AMX_BF16__)
+                    if (tiles) { /* a task a (sequence, KV head); sequence i ends at row
+                                    head_rows[i] */
+                        share(n_head * Hkv, t, nt, &lo, &hi);
+                        for (int64_t task = lo; task < hi; task++) {
+                            const int64_t i = task / Hkv, h = task % Hkv;
+                            const int64_t r0 = i ? head_rows[i - 1] + 1 : 0, n = head_rows[i] + 1 - r0;
+                            const int64_t *tb = pages + r0 * table_stride;
+                            const int64_t start = seq_lens[r0] - 1;
+                            if (n >= FLASH_MIN_ROWS &&
+                                !flash_rows(M, l, r0, n, h, qkv, qkv_n, tb, start, q16, o16, attn))
+                                continue;
+                            for (int64_t b = r0; b < r0 + n; b++)
+                                attend_task(M, l, b, h, qkv, qkv_n, tb, seq_lens[b], scores, acc,
+                                            attn + b * H * D + h * G * D);
+                        }
+                    } else
+#endif
+                        for (int64_t task = lo; task < hi; task++) { /* a task a (row, KV head) */
+                            const int64_t b = task / Hkv, h = task % Hkv;
+                            attend_task(M, l, b, h, qkv, qkv_n, pages + b * table_stride,
+                                        seq_lens[b], scores, acc, attn + b * H * D + h * G * D);
+                        }
                 }
                 team_wait(&team, nt, &phase);
                 lin_part(Hd, t, nt, &c0, &c1);

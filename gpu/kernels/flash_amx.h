@@ -1,5 +1,6 @@
 /* Causal flash attention of bf16 queries over a bf16 paged pool on AMX tiles, for
- * cpu_prefill.c's AMX build (prompts and chunks over a cached prefix alike).
+ * cpu_prefill.c's AMX build (prompts and chunks over a cached prefix alike), and for
+ * cpu_step.c's (a sequence's few new tokens in a fused step, fa_task alone).
  *
  * cpu_prefill.c's fp32 path widens K and V and multiply-adds in fp32; torch's CPU flash
  * attention (oneDNN's bf16 GEMMs between its own softmax passes) ran a 512-token prompt

@@ -155,6 +155,10 @@ class DecodeStep:
             raise ValueError(f"KV pool of dtype {kv.dtype}")
         self._fn = lib.actorlm_decode_step
         self.weights = weights
+        self.kv_bf16 = kv.dtype == torch.bfloat16
+        # a sequence's 8 or more new rows attend together on AMX tiles (the builds with
+        # them, a bf16 pool, head sizes of 64s); False: a row at a time
+        self.extend_tiles = True
         self.vocab = weights.head.n
         norms = [(_f32(x.in_norm), _f32(x.post_norm)) for x in weights.layers]
         final = _f32(weights.final_norm)
@@ -245,7 +249,8 @@ class DecodeStep:
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
             int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
-            int(heads is not None), heads, n_head, threads or torch.get_num_threads(),
+            (2 if self.extend_tiles else 1) if heads is not None else 0, heads, n_head,
+            threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode step: out of memory for its scratch")

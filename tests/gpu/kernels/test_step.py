@@ -146,6 +146,41 @@ def test_short_prompts_and_extensions_of_a_cached_prefix(tiny_llama: Path) -> No
         assert (got - want).abs().max().item() < TOL, i
 
 
+def test_extensions_attend_on_tiles_over_a_bf16_pool(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """Over a bf16 pool on a CPU with AMX tiles, a sequence's 8 or more new tokens attend
+    together as prompts do (flash_amx.h), beside decodes, and give what they give a row
+    at a time within bf16 rounding (the tiles round q, the probabilities and the output
+    to bf16; a step of 5 or more rows rounds the o projection's input to bf16 too)."""
+    path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
+    runner = make_runner(path, dtype="bfloat16")
+    fused = runner.fused
+    assert fused is not None
+    if fused.max_new != FusedDecoder.MAX_NEW:
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    pages = list(range(runner.pool.num_pages))
+    random.Random(7).shuffle(pages)
+    a, b = pages[:60], pages[60:80]
+    runner.run([SeqSpec(LONG[1], 0, a), SeqSpec(PROMPTS[0], 0, b)])  # prompts: the forward
+    steps = [
+        [SeqSpec(LONG[0][:20], 600, a), SeqSpec([7], 41, b)],  # 20 rows and a decode
+        [SeqSpec(LONG[0][20:29], 620, a), SeqSpec([8], 42, b)],  # 9, across a page's end
+        [SeqSpec(LONG[0][29:61], 629, a)],  # 32 rows
+        [SeqSpec(LONG[0][61:66], 661, a), SeqSpec(LONG[0][70:79], 43, b)],  # 5 and 9
+    ]
+    for i, step in enumerate(steps):
+        assert fused.accepts(step)
+        before = runner.pool.kv.clone()
+        fused.step.extend_tiles = False
+        rowwise = runner.run(step)
+        runner.pool.kv.copy_(before)
+        fused.step.extend_tiles = True
+        tiles = runner.run(step)
+        scale = rowwise.abs().max().item()
+        assert (tiles - rowwise).abs().max().item() <= 0.03 * scale, i  # seen: <= 1.7%
+
+
 def test_mha(tiny_model_factory: Callable[..., Path]) -> None:
     assert_fused_matches_model(tiny_model_factory("llama", num_key_value_heads=4))
 
@@ -175,9 +210,10 @@ def test_which_steps_it_takes(tiny_llama: Path) -> None:
     assert fused.accepts([SeqSpec([5, 6], 3, [0])])  # an extend of two rows
     assert not fused.accepts([one, SeqSpec([5, 6], 0, [0])])  # three rows
     assert not fused.accepts([SeqSpec([5, 6, 7], 0, [0])])  # a prompt of three
-    wide = make_runner(tiny_llama).fused
-    assert wide is not None and wide.accepts([SeqSpec([5] * FusedDecoder.MAX_NEW, 0, [0])])
-    assert not wide.accepts([SeqSpec([5] * (FusedDecoder.MAX_NEW + 1), 0, [0])])
+    wide = make_runner(tiny_llama).fused  # fp32 pages: a row at a time
+    assert wide is not None and wide.max_new == FusedDecoder.MAX_NEW_ROWWISE
+    assert wide.accepts([SeqSpec([5] * wide.max_new, 0, [0])])
+    assert not wide.accepts([SeqSpec([5] * (wide.max_new + 1), 0, [0])])
     assert not fused.accepts([SeqSpec([5], 3, [0], sample=False)])
     assert not fused.accepts([])
     assert make_runner(tiny_llama, fused_decode_max_batch=0).fused is None
