@@ -181,7 +181,7 @@ class FusedDecoder:
         self.max_batch = max_batch
         self.isa = level
         tiles = step.kv_bf16 and step.weights.head_dim % 64 == 0 and prefill_tiles(level)
-        self.max_new = self.MAX_NEW if tiles and level == "amx" else self.MAX_NEW_ROWWISE
+        self.max_new = self.MAX_NEW if tiles else self.MAX_NEW_ROWWISE
         self.threads = ThreadChooser()
 
     @classmethod

@@ -45,9 +45,9 @@ def torch_prompts_faster(flags: frozenset[str], head_dim: int, tiles: bool) -> b
     cpu_prefill.c. On AMX CPUs the kernel runs head sizes that are multiples of 64 on
     tiles when the OS grants them (``tiles``, flash_amx.h): 512 fresh tokens of the
     default model's 30 layers in ~21 ms against torch's ~37 (~12 ms since its key blocks
-    grew to 256). Other head sizes there take
-    torch's flash attention (oneDNN's bf16 tiles) over the kernel's fp32 path: 32 ms
-    against 80 for those 512 tokens (Xeon, 2 cores, 2026-12-02)."""
+    grew to 256). Other head sizes there take torch's flash attention (oneDNN's bf16
+    tiles) over the kernel's fp32 path: 32 ms against 80 for those 512 tokens (Xeon, 2
+    cores, 2026-12-02)."""
     return "amx_bf16" in flags and not (tiles and head_dim % 64 == 0)
 
 

@@ -161,9 +161,10 @@ def test_extensions_attend_on_tiles_over_a_bf16_pool(
         pytest.skip("no AMX tiles here (or the OS refused their state)")
     pages = list(range(runner.pool.num_pages))
     random.Random(7).shuffle(pages)
-    a, b = pages[:60], pages[60:80]
+    a, b, c = pages[:60], pages[60:80], pages[80:82]
     runner.run([SeqSpec(LONG[1], 0, a), SeqSpec(PROMPTS[0], 0, b)])  # prompts: the forward
     steps = [
+        [SeqSpec(LONG[0][100:112], 0, c)],  # a fresh prompt: each row's own key weighs much
         [SeqSpec(LONG[0][:20], 600, a), SeqSpec([7], 41, b)],  # 20 rows and a decode
         [SeqSpec(LONG[0][20:29], 620, a), SeqSpec([8], 42, b)],  # 9, across a page's end
         [SeqSpec(LONG[0][29:61], 629, a)],  # 32 rows
