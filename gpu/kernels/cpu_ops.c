@@ -41,8 +41,8 @@ void actorlm_silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t 
         const float *g = x + r * x_stride, *u = g + d;
         float *o = out + r * out_stride;
         int64_t i = 0;
-        for (; i + 8 <= d; i += 8)
-            *(v8f *)(o + i) = silu8(*(const v8f *)(g + i)) * *(const v8f *)(u + i);
+        for (; i + VW <= d; i += VW)
+            *(vf *)(o + i) = siluv(*(const vf *)(g + i)) * *(const vf *)(u + i);
         for (; i < d; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }

@@ -4,7 +4,10 @@ build, GQA and qkv bias, ragged batches over shuffled pages; which steps it take
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -253,6 +256,33 @@ def test_results_do_not_depend_on_the_thread_count(
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+SPIN_A_MINUTE = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"
+
+
+def test_a_team_whose_threads_lose_their_cores_gives_the_same_bits(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Busy processes on every core take the team's threads off their cores mid-phase,
+    so teammates wait at the barrier for one that has no core (cpu_step.c's team_wait
+    then yields its own); every step must still finish, with the bits of an undisturbed
+    run. The actors beside a worker do this to it at every token."""
+    monkeypatch.setattr(ThreadChooser, "options", lambda self: [2])  # always a team of 2
+    runner = make_runner(tiny_llama, num_threads=2)
+    want = decode_steps(runner, PROMPTS, 3)[0]
+    busy = [
+        # each ends by itself within a minute, should this process be killed first
+        subprocess.Popen([sys.executable, "-c", SPIN_A_MINUTE])
+        for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        got = decode_steps(make_runner(tiny_llama, num_threads=2), PROMPTS, 3)[0]
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_the_team_size_follows_the_measured_step_times() -> None:
