@@ -44,6 +44,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--intervals", default="1,4", help="--stream-interval values")
     p.add_argument("--overlap", default="on,off", help="overlap scheduling settings")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="the worker's threads (default: actorlm's, every core); fewer leave cores to "
+        "the actors around it",
+    )
+    p.add_argument(
+        "--worker-cpus", default="", help="CPUs to pin the worker to (actorlm's --worker-cpus)"
+    )
     p.add_argument("--out", default="bench/results/pipeline.json")
     return p.parse_args()
 
@@ -51,7 +61,14 @@ def parse_args() -> argparse.Namespace:
 def run(args: argparse.Namespace, overlap: bool, interval: int) -> dict[str, Any]:
     ids = list(range(1000, 1000 + args.prompt_len))
     params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
-    options = {"stream_interval": interval, "disable_overlap_schedule": not overlap}
+    options: dict[str, Any] = {
+        "stream_interval": interval,
+        "disable_overlap_schedule": not overlap,
+    }
+    if args.num_threads:
+        options["num_threads"] = args.num_threads
+    if args.worker_cpus:
+        options["worker_cpus"] = [args.worker_cpus]
     runs = []
     with Engine(**options) as eng:
 

@@ -38,6 +38,7 @@ from ...messages.step import ForwardBatch, PageIO, SeqError, StepResult
 from ..replicas import base_role, parse_cpus, peer_of, replica_index
 from ..runtime import RESTARTED, Actor, ActorError, handles
 from .kv_transfer import Expected, pages_to_ship, write_pages
+from .serial import SerialThread
 
 if TYPE_CHECKING:
     from ...gpu.grammar.manager import GrammarSetup
@@ -67,8 +68,9 @@ class WorkerActor(Actor):
             rank = lora.max_lora_rank or DEFAULT_MAX_LORA_RANK
             await self.run_blocking(self.runner.enable_lora, lora.max_loras_per_batch, rank)
         self.storage = open_storage(self.config)
-        # One forward at a time: the runner's KV pool and sampler state are not shared-safe.
-        self._lock = asyncio.Lock()
+        # One job on the runner at a time, in arrival order: its KV pool and sampler
+        # state are not shared-safe.
+        self._serial = SerialThread(f"{self.role}-steps")
         self._lora_lock = asyncio.Lock()  # one slot load at a time (and none while clearing)
         self.lora_loads = 0
         self.steps = 0
@@ -82,6 +84,9 @@ class WorkerActor(Actor):
         return {**msgspec.to_builtins(self.runner.info), "platform": current_platform().describe()}
 
     async def on_stop(self) -> None:
+        serial = getattr(self, "_serial", None)
+        if serial is not None:
+            serial.close()
         grammars = getattr(self, "grammars", None)  # None: on_start was interrupted first
         if grammars is not None:
             grammars.close()
@@ -136,6 +141,7 @@ class WorkerActor(Actor):
         return GrammarSetup(context, think)
 
     def _step(self, batch: ForwardBatch) -> tuple[StepResult, list[tuple[str, KVPages]]]:
+        self.kv_expected.drop(batch.release)  # ended: a late transfer writes nothing now
         result = self._forward(batch)
         if not any(s.ship for s in batch.seqs):
             return result, []
@@ -194,14 +200,16 @@ class WorkerActor(Actor):
     async def on_peer_down(self, role: str, reason: str) -> None:
         if role == peer_of(self.role, "scheduler") and reason == RESTARTED:
             # Its requests died with it: their sampling state here is garbage.
-            async with self._lock:
-                self.runner.release_all()
-                self.grammars.release_all()
-                self.kv_expected.clear()
+            await self._serial.submit(self._release_all)
         if role == "lora_loader" and self.runner.lora is not None:
             # A step planned already keeps its slots; none planned from now on finds one.
             async with self._lora_lock:
                 self.runner.lora.clear()
+
+    def _release_all(self) -> None:
+        self.runner.release_all()
+        self.grammars.release_all()
+        self.kv_expected.clear()
 
     @handles(LoadLoraSlot)
     async def on_load_slot(self, msg: LoadLoraSlot, env: Envelope) -> None:
@@ -221,9 +229,7 @@ class WorkerActor(Actor):
 
     @handles(ForwardBatch)
     async def on_forward(self, msg: ForwardBatch, env: Envelope) -> StepResult:
-        async with self._lock:
-            self.kv_expected.drop(msg.release)  # ended: a late transfer writes nothing now
-            result, ships = await self.run_blocking(self._step, msg)
+        result, ships = await self._serial.submit(lambda: self._step(msg))
         if len(msg.seqs) > len(result.errors):  # a forward pass ran
             self.steps += 1
         self.forward_ms += result.forward_ms
@@ -253,27 +259,9 @@ class WorkerActor(Actor):
                 "refused KV pages from %s: KV pages are taken from workers only", env.sender
             )
             return
-        expected = self.kv_expected
-        error = ""
-        async with self._lock:
-            if not expected.accepts(msg.rid, msg.page_ids):
-                self.kv["kv_dropped"] += 1
-                log.info(
-                    "KV pages of %s from %s: not expected (ended); dropped", msg.rid, env.sender
-                )
-                return
-            try:
-                await self.run_blocking(write_pages, self.runner.pool, msg)
-            except ValueError as exc:
-                expected.drop([msg.rid])
-                error = str(exc)
-            else:
-                expected.received(msg.rid, msg.page_ids)
-                self.kv["kv_received_bytes"] += msg.kv.nbytes
-                if not msg.last:
-                    return
-                if not expected.complete(msg.rid):
-                    error = "the KV transfer ended with pages missing"
+        error = await self._serial.submit(lambda: self._write_pages(msg, env.sender))
+        if error is None:
+            return
         arrived = KVArrived(
             rid=msg.rid,
             token_id=msg.token_id,
@@ -282,6 +270,25 @@ class WorkerActor(Actor):
             error=error,
         )
         await self.send(peer_of(self.role, "scheduler"), arrived)
+
+    def _write_pages(self, msg: KVPages, sender: str) -> str | None:
+        """Pages of a transfer into the pool: None while nothing is to be told (not
+        expected, or more to come), else what the scheduler hears ("" when complete)."""
+        expected = self.kv_expected
+        if not expected.accepts(msg.rid, msg.page_ids):
+            self.kv["kv_dropped"] += 1
+            log.info("KV pages of %s from %s: not expected (ended); dropped", msg.rid, sender)
+            return None
+        try:
+            write_pages(self.runner.pool, msg)
+        except ValueError as exc:
+            expected.drop([msg.rid])
+            return str(exc)
+        expected.received(msg.rid, msg.page_ids)
+        self.kv["kv_received_bytes"] += msg.kv.nbytes
+        if not msg.last:
+            return None
+        return "" if expected.complete(msg.rid) else "the KV transfer ended with pages missing"
 
     @handles(CompileGrammar)
     async def on_compile(self, msg: CompileGrammar, env: Envelope) -> GrammarCompiled:
