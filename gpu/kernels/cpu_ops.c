@@ -86,8 +86,14 @@ void actorlm_rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residu
         if (residual) { /* the sum, rounded, is both the next residual and what is normed */
             uint16_t *res = residual + r * res_stride;
             for (; i + VW <= dim; i += VW) {
+#if VW == 16 /* rounded once: the bf16 stored is what is squared */
+                const __m256i h = bf16_pack(load_bf16(res + i) + load_bf16(src + i));
+                _mm256_storeu_si256((__m256i *)(res + i), h);
+                const vf v = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
                 const vf v = round_bf16(load_bf16(res + i) + load_bf16(src + i));
                 store_bf16(res + i, v);
+#endif
                 acc += v * v;
             }
             for (; i < dim; i++) {
@@ -128,20 +134,24 @@ void actorlm_silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *ou
 void actorlm_rope_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t heads,
                        int64_t head_dim, const uint16_t *cos_t, const uint16_t *sin_t,
                        int64_t cs_stride, int threads) {
-    const int64_t half = head_dim / 2;
+    const int64_t half = head_dim / 2, vec = half / VW * VW;
 #pragma omp parallel for num_threads(threads) if (rows * heads * head_dim >= PAR_MIN_ELEMS)
     for (int64_t t = 0; t < rows; t++) {
         const uint16_t *c = cos_t + t * cs_stride, *s = sin_t + t * cs_stride;
-        for (int64_t h = 0; h < heads; h++) {
-            uint16_t *a = x + t * row_stride + h * head_dim, *b = a + half;
-            int64_t i = 0;
-            for (; i + VW <= half; i += VW) {
-                const vf x1 = load_bf16(a + i), x2 = load_bf16(b + i);
-                const vf ci = load_bf16(c + i), si = load_bf16(s + i);
-                store_bf16(a + i, round_bf16(x1 * ci) - round_bf16(x2 * si));
-                store_bf16(b + i, round_bf16(x2 * ci) + round_bf16(x1 * si));
+        uint16_t *row = x + t * row_stride;
+        /* a token's angles widened once for all of its heads: ~1/4 of the work a head */
+        for (int64_t i = 0; i < vec; i += VW) {
+            const vf ci = load_bf16(c + i), si = load_bf16(s + i);
+            for (int64_t h = 0; h < heads; h++) {
+                uint16_t *a = row + h * head_dim + i, *b = a + half;
+                const vf x1 = load_bf16(a), x2 = load_bf16(b);
+                store_bf16(a, round_bf16(x1 * ci) - round_bf16(x2 * si));
+                store_bf16(b, round_bf16(x2 * ci) + round_bf16(x1 * si));
             }
-            for (; i < half; i++) {
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *a = row + h * head_dim, *b = a + half;
+            for (int64_t i = vec; i < half; i++) {
                 const float x1 = bf16_f32(a[i]), x2 = bf16_f32(b[i]);
                 const float ci = bf16_f32(c[i]), si = bf16_f32(s[i]);
                 a[i] = f32_bf16(rnd(x1 * ci) + rnd(-x2 * si));

@@ -88,16 +88,17 @@ def test_bf16_kernels_round_where_hf_llama_rounds() -> None:
     gu = (torch.randn(5, 2 * 1536, generator=g) * 4).bfloat16()
     want = F.silu(gu[:, :1536]) * gu[:, 1536:]
     torch.testing.assert_close(ops.silu_and_mul(gu), want, rtol=2**-7, atol=1e-6)
-    T, heads, dim = 7, 5, 64
-    qk = torch.randn(T, heads * dim, generator=g).bfloat16()
-    angles = torch.randn(T, 1, dim // 2, generator=g) * 3
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    view = qk.view(T, heads, dim)
-    x1, x2 = view.chunk(2, dim=-1)
-    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    out = ops.rotate_halves(view, cos, sin)
-    assert out.data_ptr() == qk.data_ptr()
-    torch.testing.assert_close(out, want, rtol=2**-7, atol=1e-2)
+    for dim in (64, 80, 24):  # halves of whole vectors, with a tail, all tail
+        T, heads = 7, 5
+        qk = torch.randn(T, heads * dim, generator=g).bfloat16()
+        angles = torch.randn(T, 1, dim // 2, generator=g) * 3
+        cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+        view = qk.view(T, heads, dim)
+        x1, x2 = view.chunk(2, dim=-1)
+        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = ops.rotate_halves(view, cos, sin)
+        assert out.data_ptr() == qk.data_ptr()
+        torch.testing.assert_close(out, want, rtol=2**-7, atol=1e-2)
 
 
 def test_other_dtypes_take_the_torch_path() -> None:
