@@ -10,6 +10,7 @@ same context. On a machine whose worker threads hold every core, the other actor
 per-message CPU is what the pipeline adds.
 
     python bench/pipeline.py                      # overlap on/off x interval 1, 4
+    python bench/pipeline.py --num-threads 1 --worker-cpus 0   # a core left to the actors
     python bench/pipeline.py --intervals 1,2,4,8 --overlap on
 """
 
