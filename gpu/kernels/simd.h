@@ -87,8 +87,7 @@ typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
    them: 26 cycles a vector, now 19 (the division runs on its own unit). expv takes
    x <= 88 (silu needs exp(-g) for g of either sign). */
 static inline vf expv(vf x) {
-    const __m512 lo = _mm512_set1_ps(-87.f);
-    x = (vf)_mm512_max_ps((__m512)x, lo);
+    x = (vf)_mm512_max_ps(_mm512_set1_ps(-87.f), (__m512)x); /* a NaN x stays NaN */
     const vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
