@@ -281,9 +281,8 @@ class FusedDecoder:
         # prompt's while chunked (LongRoPE picks its factors by it)
         ends = [s.start_pos + len(s.input_ids) for s in seqs]
         seq_lens = [max(e, s.prompt_len) for e, s in zip(ends, seqs, strict=True)]
-        steps = _RopeSteps(
-            torch.from_numpy(pos), max(ends), [seq_lens[i] for i in owner.tolist()], [1] * B
-        )
+        row_lens = [seq_lens[i] for i in owner.tolist()] if extends else seq_lens
+        steps = _RopeSteps(torch.from_numpy(pos), max(ends), row_lens, [1] * B)
         cos, sin = self.model.ropes[0].cos_sin(steps)
         half = cos.shape[-1]
         cos = cos.reshape(B, half).to(torch.float32).contiguous()
