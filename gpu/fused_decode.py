@@ -164,13 +164,20 @@ class FusedDecoder:
 
     # A sequence's new tokens the step takes, a row each. Over a bf16 pool on a CPU with
     # AMX tiles, a sequence's rows (8 or more) attend together as prompts do
-    # (flash_amx.h: K and V read once a block of rows); elsewhere each row reads its
-    # whole context, and past 16 rows that costs what the model's forward does. Default
-    # model, bf16, over 1,104 cached tokens, 2-core Xeon (bench/extend.py), fused step
-    # against the model: 16 tokens 13.7 against 19.7 ms, 32 tokens 19.4 against 27.2; a
+    # (flash_amx.h: K and V read once a block of rows) and the linears' tiles sum over
+    # whole weights from 41 rows (amx.h); elsewhere each row reads its whole context,
+    # and past 16 rows that costs what the model's forward does. Default model, bf16,
+    # over 1,104 cached tokens, 2-core Xeon (bench/extend.py), fused step against the
+    # model: 32 tokens 17.2 against 24.2 ms, 64 tokens 26.0 against 37.2, 128 tokens
+    # 41.7 against 51.9, 192 tokens 62.1 against 66.3, 256 tokens 82.2 against 79.0; a
     # row each: 16 tokens 15.9 against 18.1, 32 tokens 28.3 against 28.9.
-    MAX_NEW: ClassVar[int] = 32  # rows of one sequence on tiles
+    MAX_NEW: ClassVar[int] = 128  # rows of one sequence on tiles
     MAX_NEW_ROWWISE: ClassVar[int] = 16
+    # Rows a step by default (``fused_decode_max_batch`` -1): on tiles as above, decodes
+    # of 48 / 64 / 128 sequences ran 1.34 / 1.33 / 1.18x the model's forward (level at
+    # 192-256); elsewhere the fp32 tiles' cost grows with every row, and 32.
+    MAX_BATCH_TILES: ClassVar[int] = 128
+    MAX_BATCH: ClassVar[int] = 32
 
     def __init__(
         self, model: Any, step: DecodeStep, page_size: int, max_batch: int, level: str
@@ -178,10 +185,12 @@ class FusedDecoder:
         self.model = model
         self.step = step
         self.page_size = page_size
-        self.max_batch = max_batch
         self.isa = level
         tiles = step.kv_bf16 and step.weights.head_dim % 64 == 0 and prefill_tiles(level)
         self.max_new = self.MAX_NEW if tiles else self.MAX_NEW_ROWWISE
+        if max_batch < 0:
+            max_batch = self.MAX_BATCH_TILES if tiles else self.MAX_BATCH
+        self.max_batch = max_batch
         self.threads = ThreadChooser()
 
     @classmethod
@@ -191,7 +200,7 @@ class FusedDecoder:
         """The decoder over ``backend``'s pool, or None and the reason it cannot serve
         this model here. Only the built-in backends: the step attends as they do, and a
         plugin's backend must see every step it was chosen for."""
-        if max_batch <= 0:
+        if max_batch == 0:
             return None, "turned off"
         if type(backend) not in (CpuBackend, TorchNativeBackend):
             return None, f"attention backend {type(backend).__name__}"

@@ -18,7 +18,8 @@
  *
  * Builds with AVX512-BF16 take block weights at 9 rows or more through dpbf16.h's
  * bf16 dot products instead, where the linear allows x to round to bf16 (`act_bf16`),
- * and builds with AMX through amx.h's tiles over the same expanded blocks.
+ * and builds with AMX through amx.h's tiles over the same expanded blocks (from 41
+ * rows, over the weights rounded to bf16).
  *
  * `lin_cols` computes a range of output columns on the calling thread; the caller
  * splits the columns over threads (`lin_part`). Included by cpu_qgemm.c (one linear
@@ -238,7 +239,9 @@ static inline __attribute__((always_inline)) void tile16(
 static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
                         int64_t g1, float *y, int64_t ys) {
 #if defined(__AMX_BF16__)
-    /* AMX tiles (Sapphire Rapids, two cores: ~3x the dot products at 16-32 rows) */
+    /* AMX tiles (Sapphire Rapids, two cores: ~3x the dot products at 16-32 rows); from
+       AMX_DQ_MIN_ROWS rows over weights rounded to bf16 (amx.h) */
+    if (L->act_bf16 && M >= AMX_DQ_MIN_ROWS && amx_blocks_dq_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
     if (L->act_bf16 && M >= AMX_MIN_ROWS && amx_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
 #endif
 #if defined(__AVX512BF16__)

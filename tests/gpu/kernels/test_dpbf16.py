@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(native_qgemm() is None, reason="needs a C compil
 
 # rows from which each build rounds x to bf16 (dpbf16.h, amx.h): fewer keep the fp32 tiles
 MIN_ROWS = {"avx512bf16": 9, "amx": 5}
+# rows from which the amx build rounds the block weights to bf16 too (amx.h)
+DQ_ROWS = 41
 _HERE = native.supported_isas(native.cpu_flags(), native._is_x86())
 _BF16_LEVELS = [level for level in MIN_ROWS if native.isa(level) in _HERE]
 
@@ -37,7 +39,8 @@ def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> 
     5) round each row to bf16 once and sum its products with the blocks' exact values in fp32: torch's fp64
     matmul of the rounded rows to fp32's tolerance (sums of 1088 products of up to ~8
     in size). The other builds and fewer rows keep fp32 rows. 1088 columns are 34
-    blocks: three expanded chunks."""
+    blocks: three expanded chunks. From 41 rows the amx build rounds each weight to bf16
+    as well (its tiles then sum over all of K): the fp64 matmul of both rounded."""
     w = blocks((77, 1088), kind, seed=6)  # 77 output rows: a part group
     packed = pack(w)
     assert packed is not None
@@ -45,14 +48,15 @@ def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> 
     lin = lin_blocks(packed, b)
     lin.act_bf16 = 1
     g = torch.Generator().manual_seed(7)
-    for rows in (1, 4, 5, 6, 9, 16, 17, 32, 33):
+    for rows in (1, 4, 5, 6, 9, 16, 17, 32, 33, 40, 41, 64, 70):
         wide = torch.randn(rows, 1100, generator=g)
         x = wide[:, 5:1093]  # row stride 1100
         got = linear(x, lin, level)
         assert got is not None
         rounds = rows >= MIN_ROWS.get(level, rows + 1)
         xr = x.bfloat16() if rounds else x
-        want = (xr.double() @ w.double().T + b.double()).float()
+        wr = w.bfloat16() if level == "amx" and rows >= DQ_ROWS else w
+        want = (xr.double() @ wr.double().T + b.double()).float()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-4)
         if rounds:  # and it did round: fp32 rows land ~1% of the scale away
             assert (got - F.linear(x, w, b)).abs().max() > 1e-3
@@ -99,30 +103,31 @@ def _forced_logits(
     return out
 
 
-@pytest.mark.parametrize("weights", ["blocks", "dense"])
-def test_a_bf16_step_of_32_ragged_sequences_matches_the_model(
-    tiny_model_factory: Callable[..., Path], tmp_path: Path, weights: str
+@pytest.mark.parametrize(("weights", "batch"), [("blocks", 32), ("dense", 32), ("blocks", 64)])
+def test_a_bf16_step_of_ragged_sequences_matches_the_model(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, weights: str, batch: int
 ) -> None:
     """A bf16 model's fused step at batch 32 against its forward (torch's bf16 GEMMs over
     bf16-rounded weights), and no farther from it than the fp32 tiles of the avx512
     build are, for each build here that rounds the rows: Q4_1 layers and a Q8_0 head
-    (avx512bf16's dot products, amx's tiles), or dense bf16 weights (amx's tiles)."""
+    (avx512bf16's dot products, amx's tiles), or dense bf16 weights (amx's tiles). At
+    batch 64 amx's tiles round the block weights to bf16 as the forward's do."""
     levels = _BF16_LEVELS if weights == "blocks" else [x for x in _BF16_LEVELS if x == "amx"]
     if not levels:
         pytest.skip(f"this CPU has no build that rounds the rows of {weights} weights")
     path = tiny_model_factory("llama")
     if weights == "blocks":
         path = _block_model(path, tmp_path / "blocks")
-    opts = {"dtype": "bfloat16", "quantization": "gguf", "num_pages": 256}
+    opts = {"dtype": "bfloat16", "quantization": "gguf", "num_pages": 8 * batch}
     g = torch.Generator().manual_seed(8)
-    lens = torch.randint(1, 100, (32,), generator=g).tolist()
+    lens = torch.randint(1, 100, (batch,), generator=g).tolist()
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
-    tokens = torch.randint(3, 1000, (3, 32), generator=g).tolist()
+    tokens = torch.randint(3, 1000, (3, batch), generator=g).tolist()
     want = _forced_logits(make_runner(path, fused_decode_max_batch=0, **opts), prompts, tokens)
     got = {}
     for level in (*levels, "avx512"):
-        runner = make_runner(path, fused_decode_max_batch=32, **opts)
-        runner.fused, why = FusedDecoder.build(runner.model, runner.backend, 32, level)
+        runner = make_runner(path, fused_decode_max_batch=batch, **opts)
+        runner.fused, why = FusedDecoder.build(runner.model, runner.backend, batch, level)
         assert runner.fused is not None, why
         assert runner.fused.step.weights.head.kind == (4 if weights == "blocks" else 1)
         got[level] = _forced_logits(runner, prompts, tokens)

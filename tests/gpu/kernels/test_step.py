@@ -221,6 +221,41 @@ def test_which_steps_it_takes(tiny_llama: Path) -> None:
     assert not fused.accepts([SeqSpec([5], 3, [0], sample=False)])
     assert not fused.accepts([])
     assert make_runner(tiny_llama, fused_decode_max_batch=0).fused is None
+    assert wide.max_batch == FusedDecoder.MAX_BATCH  # the default (-1) off tiles
+
+
+def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Where a bf16 model's step runs on AMX tiles, the default takes steps of up to 128
+    rows and a sequence's 128 new tokens (the linears' tiles sum over whole weights
+    rounded to bf16 from 41 rows), and a 100-token extension beside a decode lands no
+    farther from the fp32 model's logits than the bf16 forward does (this random model
+    amplifies bf16's rounding: both land ~10% of the scale away)."""
+    path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
+    path = _block_model(path, tmp_path / "blocks")  # Q4_1 layers: the AMX block paths
+    opts = {"quantization": "gguf"}
+    runner = make_runner(path, dtype="bfloat16", **opts)
+    fused = runner.fused
+    assert fused is not None
+    if fused.max_new != FusedDecoder.MAX_NEW:
+        assert fused.max_batch == FusedDecoder.MAX_BATCH
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    assert fused.max_batch == FusedDecoder.MAX_BATCH_TILES == 128
+    plain = make_runner(path, dtype="bfloat16", fused_decode_max_batch=0, **opts)
+    exact = make_runner(path, dtype="float32", fused_decode_max_batch=0, **opts)
+    a, b = list(range(0, 20)), list(range(20, 40))
+    for r in (runner, plain, exact):  # prompts: the forward
+        r.run([SeqSpec(LONG[1][:200], 0, a), SeqSpec(PROMPTS[0], 0, b)])
+    step = [SeqSpec(LONG[1][200:300], 200, a), SeqSpec([7], len(PROMPTS[0]), b)]  # 101 rows
+    assert fused.accepts(step)
+    assert not fused.accepts([SeqSpec(LONG[1][:129], 0, a)])
+    got, forward, want = runner.run(step), plain.run(step), exact.run(step)
+    err, bound = (got - want).abs().max().item(), (forward - want).abs().max().item()
+    assert err <= 1.5 * bound and bound <= 0.2 * want.abs().max().item(), (
+        err,
+        bound,
+    )  # seen: 25 / 30
 
 
 def test_models_it_cannot_describe_keep_their_forward(
