@@ -134,10 +134,10 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
     } else {
         const int8_t *qb = (const int8_t *)q + blk * QK * GROUP;
         for (int p = 0; p < 16; p++) {
-            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                _mm_loadu_si128((const __m128i *)(qb + 2 * p * GROUP)))), dv);
-            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                _mm_loadu_si128((const __m128i *)(qb + (2 * p + 1) * GROUP)))), dv);
+            const __m128i c0 = _mm_loadu_si128((const __m128i *)(qb + 2 * p * GROUP));
+            const __m128i c1 = _mm_loadu_si128((const __m128i *)(qb + (2 * p + 1) * GROUP));
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), dv);
+            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), dv);
             wb[p] = _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
@@ -164,7 +164,8 @@ static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t
     const int64_t xstride = K * 2;
     amx_configure_tiles(DQ_PASS + 2); /* 0-3: C, 4: rows of x, 5: weights */
     for (int64_t g = g0; g < g1; g++) {
-        for (int64_t b = 0; b < nb; b++) dq_expand(q4, (const uint8_t *)L->w, L->d, L->m, g * nb + b, wb + b * 16);
+        for (int64_t b = 0; b < nb; b++)
+            dq_expand(q4, (const uint8_t *)L->w, L->d, L->m, g * nb + b, wb + b * 16);
         const int64_t n0 = g * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
         for (int64_t t0 = 0; t0 < T; t0 += DQ_PASS) {
             const int64_t nt = T - t0 < DQ_PASS ? T - t0 : DQ_PASS;

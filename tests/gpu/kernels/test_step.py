@@ -231,7 +231,8 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     rows and a sequence's 128 new tokens (the linears' tiles sum over whole weights
     rounded to bf16 from 41 rows), and a 100-token extension beside a decode lands no
     farther from the fp32 model's logits than the bf16 forward does (this random model
-    amplifies bf16's rounding: both land ~10% of the scale away)."""
+    amplifies bf16's rounding: both land ~10% of the scale away); its rows attend in a
+    part per thread, and one thread gives the same bits."""
     path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
     path = _block_model(path, tmp_path / "blocks")  # Q4_1 layers: the AMX block paths
     opts = {"quantization": "gguf"}
@@ -244,13 +245,17 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     assert fused.max_batch == FusedDecoder.MAX_BATCH_TILES == 128
     plain = make_runner(path, dtype="bfloat16", fused_decode_max_batch=0, **opts)
     exact = make_runner(path, dtype="float32", fused_decode_max_batch=0, **opts)
+    alone = make_runner(path, dtype="bfloat16", **opts)
+    fused.threads.options = lambda: [2]  # type: ignore[method-assign]
+    alone.fused.threads.options = lambda: [1]  # type: ignore[union-attr,method-assign]
     a, b = list(range(0, 20)), list(range(20, 40))
-    for r in (runner, plain, exact):  # prompts: the forward
+    for r in (runner, plain, exact, alone):  # prompts: the forward
         r.run([SeqSpec(LONG[1][:200], 0, a), SeqSpec(PROMPTS[0], 0, b)])
     step = [SeqSpec(LONG[1][200:300], 200, a), SeqSpec([7], len(PROMPTS[0]), b)]  # 101 rows
     assert fused.accepts(step)
     assert not fused.accepts([SeqSpec(LONG[1][:129], 0, a)])
     got, forward, want = runner.run(step), plain.run(step), exact.run(step)
+    assert torch.equal(got, alone.run(step))
     err, bound = (got - want).abs().max().item(), (forward - want).abs().max().item()
     assert err <= 1.5 * bound and bound <= 0.2 * want.abs().max().item(), (
         err,
