@@ -23,6 +23,7 @@ download: each family's tiny test model, or a released model's real shape).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -119,6 +120,7 @@ class Ours:
             **extra,
         )
         self.runner = ModelRunner(cfg)
+        gc.freeze()  # as the worker does once its runner is built
         self.step = 0
 
     def _forward(self, seqs: list[SeqStep], release: list[str] | None = None) -> list[int]:

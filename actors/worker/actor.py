@@ -19,6 +19,7 @@ scheduler. Pages are taken only from another worker's key.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -77,6 +78,11 @@ class WorkerActor(Actor):
         self.forward_ms = 0.0
         self.kv_expected = Expected()
         self.kv = {"kv_sent_bytes": 0, "kv_received_bytes": 0, "kv_dropped": 0}
+        # The model's objects (modules, weights, their kernels' descriptors) live as long
+        # as the process: frozen, the cyclic collector that a step's allocations set off
+        # stops walking them (a 512-token prefill of the default model, 2-core Xeon:
+        # 97.5 -> 90-92 ms, ~3 ms a pass of collections)
+        gc.freeze()
 
     def ready_info(self) -> dict[str, Any]:
         from ...extensions.plugins import current_platform
@@ -90,6 +96,7 @@ class WorkerActor(Actor):
         grammars = getattr(self, "grammars", None)  # None: on_start was interrupted first
         if grammars is not None:
             grammars.close()
+        gc.unfreeze()  # what on_start froze can be collected at exit again
 
     def stats(self) -> dict[str, Any]:
         corrupt = getattr(self.storage, "corrupt", 0)
