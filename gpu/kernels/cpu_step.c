@@ -247,7 +247,7 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
             const float *g = tg + r * w, *u = tu + r * w;
             float *o = act + r * inter + c;
             int64_t i = 0;
-            for (; i + 8 <= w; i += 8) *(v8f *)(o + i) = silu8(*(const v8f *)(g + i)) * *(const v8f *)(u + i);
+            for (; i + VW <= w; i += VW) *(vf *)(o + i) = siluv(*(const vf *)(g + i)) * *(const vf *)(u + i);
             for (; i < w; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         }
     }
