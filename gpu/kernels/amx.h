@@ -114,12 +114,9 @@ static int amx_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs
 
 /* Block b of group g as AMX's B tile of bf16 weights, w = q d (+ m), each rounded to
    bf16 (round to nearest even, as a bf16 model's dequantized weights are): pair p of
-   column n (k = 2p, 2p + 1) in 32-bit lane n of vector p. */
+   column n (k = 2p, 2p + 1) in 32-bit lane n of vector p (dpbf16.h's bf16_pairs). */
 static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
                              const uint16_t *mn, int64_t blk, __m512i *wb) {
-    const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                         1, 16, 0);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + blk * GROUP)));
     if (q4) {
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + blk * GROUP)));
@@ -129,7 +126,7 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
             const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + p * GROUP)));
             const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, lo4)), dv, mv);
             const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv);
-            wb[p] = _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            wb[p] = bf16_pairs(lo, hi);
         }
     } else {
         const int8_t *qb = (const int8_t *)q + blk * QK * GROUP;
@@ -138,7 +135,7 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
             const __m128i c1 = _mm_loadu_si128((const __m128i *)(qb + (2 * p + 1) * GROUP));
             const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), dv);
             const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), dv);
-            wb[p] = _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            wb[p] = bf16_pairs(lo, hi);
         }
     }
 }

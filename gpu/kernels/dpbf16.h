@@ -51,6 +51,14 @@ static void dp_round_rows(const float *x, int64_t M, int64_t xs, int64_t K, uint
         }
 }
 
+/* lo and hi rounded to bf16 and interleaved lane by lane: 32-bit lane n holds (lo[n],
+   hi[n]), a B tile's row of pairs */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
 /* Blocks [b0, b0 + nbc) of group g as bf16 pairs: for block b and pair p (codes k = 2p
    and 2p + 1 of the 16 columns), one vector whose 32-bit lane n holds column n's two. */
 static inline void dp_expand(const int q4, const uint8_t *q, int64_t nb, int64_t g, int64_t b0,
@@ -73,9 +81,6 @@ static inline void dp_expand(const int q4, const uint8_t *q, int64_t nb, int64_t
         }
     } else {
         /* two rows of 16 codes to fp32, to bf16 (exact), interleaved lane by lane */
-        const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                             24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                             1, 16, 0);
         for (int64_t b = 0; b < nbc; b++) {
             const int8_t *qb = (const int8_t *)q + (g * nb + b0 + b) * QK * GROUP;
             for (int p = 0; p < 16; p++) {
@@ -83,7 +88,7 @@ static inline void dp_expand(const int q4, const uint8_t *q, int64_t nb, int64_t
                     _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 2 * p * GROUP))));
                 const __m512 hi = _mm512_cvtepi32_ps(
                     _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + (2 * p + 1) * GROUP))));
-                wb[b * 16 + p] = _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                wb[b * 16 + p] = bf16_pairs(lo, hi);
             }
         }
     }
