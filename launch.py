@@ -291,14 +291,15 @@ def _lora_rank(lora: LoraConfig) -> int:
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Fill platform defaults, then model path, context length, KV page count and
     served name from the model."""
-    from .extensions.plugins import current_platform, load_plugins
+    from .extensions.plugins import load_plugins
     from .gpu.default_model import default_model_path
     from .gpu.model_info import kv_pages_for_budget, load_model_info
+    from .gpu.platforms import device_platform
 
     # The platform fills what the user left open (device, dtype, attention backend, page
     # size), and refuses what it cannot run before any actor starts.
     load_plugins(settings=config.plugins)  # once per process; the first call's settings hold
-    platform = current_platform()
+    platform = device_platform(config.model.device)  # --device cpu on a GPU machine: the CPU's
     config = platform.adjust_defaults(config)
     validate_config(config)
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import logging
 import sys
@@ -176,28 +177,33 @@ class Transformers:
             kw["gguf_file"] = path.name
         src = path.parent if path.suffix == ".gguf" else path
         self.model = AutoModelForCausalLM.from_pretrained(str(src), **kw).eval()
+        # the cache's keyword: `cache` in recent transformers, `past_key_values` before (a
+        # wrong one is swallowed by **kwargs and the model runs without its cache)
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_key = "cache" if "cache" in params else "past_key_values"
+
+    def _cache(self) -> dict[str, Any]:
+        from transformers import DynamicCache
+
+        return {self.cache_key: DynamicCache()}
 
     @torch.inference_mode()
     def prefill_s(self, ids: list[int]) -> float:
-        from transformers import DynamicCache
-
         t0 = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids]), cache=DynamicCache(), use_cache=True)
+        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, **self._cache())
         out.logits[:, -1].argmax(-1)
         return time.perf_counter() - t0
 
     @torch.inference_mode()
     def decode_s(self, prompts: list[list[int]], steps: int) -> float:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        out = self.model(input_ids=torch.tensor(prompts), cache=cache, use_cache=True)
+        cache = self._cache()
+        out = self.model(input_ids=torch.tensor(prompts), use_cache=True, **cache)
         tokens = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-        out = self.model(input_ids=tokens, cache=cache, use_cache=True)
+        out = self.model(input_ids=tokens, use_cache=True, **cache)
         tokens = out.logits[:, -1].argmax(-1, keepdim=True)
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = self.model(input_ids=tokens, cache=cache, use_cache=True)
+            out = self.model(input_ids=tokens, use_cache=True, **cache)
             tokens = out.logits[:, -1].argmax(-1, keepdim=True)
         return time.perf_counter() - t0
 

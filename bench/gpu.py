@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode steps run eagerly")
     p.add_argument("--skip-offline", action="store_true", help="limits and decode steps only")
     p.add_argument(
+        "--profile-batch",
+        type=int,
+        default=0,
+        help="also profile this batch size's timed steps: the kernels by device time",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="a tiny model on any device (checks the script)"
     )
     p.add_argument("--out", default="bench/results/gpu.json", help="raw results (JSON)")
@@ -161,16 +167,17 @@ def make_runner(
 
 
 def decode_step_s(
-    runner: Any, batch: int, context: int, steps: int, chunk: int, sync: Any
+    runner: Any, batch: int, context: int, steps: int, chunk: int, sync: Any, profile: Any = None
 ) -> float:
     """Prefill ``batch`` sequences of ``context`` tokens (a few per step), then time
-    ``steps`` decode steps of the whole batch; seconds per step."""
+    ``steps`` decode steps of the whole batch; seconds per step. With ``profile`` (a
+    callable taking a zero-argument function) the timed steps run once more under it."""
     from actorlm.messages.sampling import SamplingParams
     from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep
 
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     ps = runner.info.page_size
-    per_seq = -(-(context + steps + 4) // ps)
+    per_seq = -(-(context + 2 * steps + 4) // ps)  # the timed steps, profiled steps
     rng = random.Random(batch)
     vocab = runner.info.vocab_size
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(context)] for _ in range(batch)]
@@ -209,8 +216,27 @@ def decode_step_s(
     for s in range(steps):
         decode(context + 2 + s)  # each step ends in the sampled tokens' copy to the host
     dt = (time.perf_counter() - t0) / steps
+    if profile is not None:
+        profile(lambda: [decode(context + 2 + steps + s) for s in range(steps)])
     forward([], release=rids)
     return dt
+
+
+def profile_kernels(label: str, out: Path) -> Any:
+    """A profiler for ``decode_step_s``: the device kernels of the steps it runs, by
+    total device time, printed and written beside ``out`` (``<out>.profile-<label>.txt``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(fn: Any) -> None:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+        out.with_suffix(f".profile-{label}.txt").write_text(table + "\n")
+        log(table)
+
+    return run
 
 
 def bounds(
@@ -235,7 +261,7 @@ def run_decode(
     path: Path, backend: str, device: str, dtype: str, lim: dict[str, float], args: Any
 ) -> tuple[str, list[dict[str, Any]]]:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    per_seq = -(-(args.context_len + args.decode_steps + 4) // 16)
+    per_seq = -(-(args.context_len + 2 * args.decode_steps + 4) // 16)
     import torch
 
     runner = make_runner(path, backend, device, dtype, max(sizes) * per_seq + 1, args)
@@ -244,8 +270,11 @@ def run_decode(
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     rows = []
     for b in sizes:
+        prof = None
+        if b == args.profile_batch and device == "cuda":
+            prof = profile_kernels(f"{backend or 'default'}-b{b}", Path(args.out))
         step_s = decode_step_s(
-            runner, b, args.context_len, args.decode_steps, args.max_prefill_tokens, sync
+            runner, b, args.context_len, args.decode_steps, args.max_prefill_tokens, sync, prof
         )
         bound = bounds(runner.info, params, weight_bytes, b, args.context_len, lim)
         row = {
@@ -359,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.batch_sizes, args.context_len, args.decode_steps = "1,4", 64, 4
         args.num_requests, args.input_len, args.output_len = 8, 64, 16
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"machine": machine(), "args": vars(args)}
     log(f"device: {results['machine'].get('device', 'cpu')}")
     results["limits"] = limits(torch.device(device), args.smoke)
@@ -375,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(results)
     print(table)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     out.with_suffix(".md").write_text(table + "\n")
     log(f"raw results: {out}")

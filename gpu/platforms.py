@@ -35,6 +35,7 @@ __all__ = [
     "CpuPlatform",
     "CudaPlatform",
     "Platform",
+    "device_platform",
     "estimate_weight_bytes",
     "resolve_dtype",
 ]
@@ -383,7 +384,7 @@ class CudaPlatform(Platform):
         index = torch.device(model.device or "cuda").index or 0
         total, free = self.total_memory(index), self.free_memory(index)
         fraction = model.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-        weights = estimate_weight_bytes(info, model.dtype)
+        weights = estimate_weight_bytes(info, resolve_dtype(model.dtype, model.device))
         budget = int(free - weights - total * (1 - fraction))
         if budget <= 0:
             raise ValueError(
@@ -417,14 +418,26 @@ class CudaPlatform(Platform):
 
 def resolve_dtype(dtype: str, device: str) -> str:
     """``--dtype`` made concrete for a config that skipped ``resolve_config``: ``auto``
-    is the active platform's choice on its own device, float32 on any other."""
+    is the choice of the platform that runs the device (``device_platform``), float32 on
+    any other device."""
     if dtype not in ("", "auto"):
         return dtype
+    kind = (device or "cpu").partition(":")[0]
+    platform = device_platform(kind)
+    return platform.default_dtype() if kind == platform.device_type else "float32"
+
+
+def device_platform(device: str) -> Platform:
+    """The platform that runs ``device`` ("" for the active platform's own): the active
+    one, except that the CPU under an accelerator's platform (``--device cpu`` on a GPU
+    machine) gets the CPU platform: the CPU's own dtype, kernels, attention backend and
+    KV sizing, never a GPU backend it would then refuse."""
     from ..extensions.plugins import current_platform
 
     platform = current_platform()
-    kind = (device or "cpu").partition(":")[0]
-    return platform.default_dtype() if kind == platform.device_type else "float32"
+    if device.partition(":")[0] == "cpu" and platform.device_type != "cpu":
+        return CpuPlatform()
+    return platform
 
 
 def _imports(module: str) -> bool:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 from actorlm.config import ModelConfig
-from actorlm.extensions.plugins import current_platform
 from actorlm.extensions.points import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from actorlm.extensions.registry import import_object
 from actorlm.messages.step import (
@@ -37,7 +36,7 @@ from .grammar.manager import GrammarManager
 from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .models.base import CausalLM
-from .platforms import Platform, resolve_dtype
+from .platforms import Platform, device_platform, resolve_dtype
 from .quantization import quantize_model
 
 if TYPE_CHECKING:
@@ -62,8 +61,8 @@ class ModelRunner:
 
     def _load(self, cfg: ModelConfig) -> None:
         torch.manual_seed(cfg.seed)
-        platform = current_platform()
         self.device = torch.device(cfg.device or "cpu")
+        platform = device_platform(str(self.device))
         dtype = resolve_dtype(cfg.dtype, str(self.device))  # "auto": the platform's
         cfg = msgspec.structs.replace(cfg, device=str(self.device), dtype=dtype)
         self.cfg = cfg

@@ -34,7 +34,7 @@ print(','.join(n for n in ('flashinfer', 'triton') if u.find_spec(n)))")
     2>&1 | tee "$out/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
 
-"$python" bench/gpu.py --attention-backends "$backends" --out "$out/gpu.json" 2>&1 | tee "$out/bench.txt"
+"$python" bench/gpu.py --attention-backends "$backends" --profile-batch 1 --out "$out/gpu.json" 2>&1 | tee "$out/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 echo "pytest rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc != 0 || bench_rc != 0 ))

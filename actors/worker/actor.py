@@ -85,9 +85,10 @@ class WorkerActor(Actor):
         gc.freeze()
 
     def ready_info(self) -> dict[str, Any]:
-        from ...extensions.plugins import current_platform
+        from ...gpu.platforms import device_platform
 
-        return {**msgspec.to_builtins(self.runner.info), "platform": current_platform().describe()}
+        platform = device_platform(self.runner.cfg.device)
+        return {**msgspec.to_builtins(self.runner.info), "platform": platform.describe()}
 
     async def on_stop(self) -> None:
         serial = getattr(self, "_serial", None)

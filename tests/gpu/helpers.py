@@ -3,6 +3,7 @@ for the cache manager, and greedy loops for actorlm and for transformers (refere
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -97,16 +98,25 @@ def hf_model(path: Path | str) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+def hf_cache_kwarg(model: Any) -> str:
+    """The keyword transformers' forward takes its KV cache by: ``cache`` in recent
+    releases, ``past_key_values`` before. A wrong one is swallowed by ``**kwargs`` and the
+    model silently runs without its cache, so it is read off the (base) model's signature."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 @torch.inference_mode()
 def hf_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     """Greedy decoding with transformers' own KV cache, never stopping at EOS."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    cache = {hf_cache_kwarg(model): DynamicCache()}
     ids = torch.tensor([prompt])
     out: list[int] = []
     for _ in range(steps):
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=ids, use_cache=True, **cache).logits[0, -1]
         tok = int(logits.argmax())
         out.append(tok)
         ids = torch.tensor([[tok]])

@@ -24,7 +24,7 @@ import torch
 from actorlm.gpu import onednn
 from actorlm.gpu.forward_meta import SeqSpec
 
-from .helpers import Pages, make_runner
+from .helpers import Pages, hf_cache_kwarg, make_runner
 from .kernels.test_qgemm import _block_model
 
 STEPS = 16
@@ -44,9 +44,10 @@ def hf(path: Path, dtype: torch.dtype) -> Any:
 def hf_greedy_logits(model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     from transformers import DynamicCache
 
-    cache, ids, tokens, logits = DynamicCache(), torch.tensor([prompt]), [], []
+    cache = {hf_cache_kwarg(model): DynamicCache()}
+    ids, tokens, logits = torch.tensor([prompt]), [], []
     for _ in range(steps):
-        row = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+        row = model(input_ids=ids, use_cache=True, **cache).logits[0, -1].float()
         logits.append(row)
         tokens.append(int(row.argmax()))
         ids = torch.tensor([[tokens[-1]]])

@@ -13,7 +13,14 @@ import torch
 from actorlm.config import EngineConfig, ModelConfig
 from actorlm.gpu.kernels import native
 from actorlm.gpu.model_info import load_model_info
-from actorlm.gpu.platforms import CpuPlatform, CudaPlatform, Platform, estimate_weight_bytes
+from actorlm.gpu.platforms import (
+    CpuPlatform,
+    CudaPlatform,
+    Platform,
+    device_platform,
+    estimate_weight_bytes,
+    resolve_dtype,
+)
 
 from .helpers import make_runner
 from .kernels.test_native import AVX2_EPYC, SAPPHIRE_RAPIDS, ZEN5
@@ -137,3 +144,23 @@ def test_the_runner_resolves_auto_and_says_what_runs(
     assert str(runner.dtype) == f"torch.{want}" and runner.pool.dtype == runner.dtype
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype"))
     assert f"dtype {want}, kernels {native.best_isa().name}" in line
+
+
+def test_the_cpu_under_a_gpu_platform_runs_as_on_a_cpu_machine(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--device cpu`` on a GPU machine: the CPU platform's dtype, attention backend and
+    kernels, not the active CUDA platform's (whose flashinfer it would then refuse)."""
+    from actorlm.extensions import plugins
+    from actorlm.launch import resolve_config
+
+    gpu = CudaPlatform()
+    monkeypatch.setattr(plugins, "current_platform", lambda: gpu)
+    assert device_platform("cuda:1") is gpu and device_platform("") is gpu
+    assert isinstance(device_platform("cpu"), CpuPlatform)
+    want = CpuPlatform().default_dtype()
+    assert resolve_dtype("auto", "cpu") == resolve_dtype("", "") == want
+    model = resolve_config(config(path=str(tiny_llama), device="cpu", kv_cache_gb=0.05)).model
+    assert (model.device, model.dtype, model.attention_backend) == ("cpu", want, "cpu")
+    runner = make_runner(tiny_llama, dtype="auto")
+    assert runner.cfg.dtype == want and runner.attention_backend == "cpu"
