@@ -7,7 +7,8 @@ a chain of 4-7 PyTorch ops, which at decode batch sizes cost more in dispatch th
 in arithmetic (bench/forward.py, decode b=8: ~10% of the step), and in bf16 more than
 the GEMMs at any size (torch's bf16 element-wise ops widen and narrow at every op: a
 512-token bf16 prefill spent ~60% of its time in them). The bf16 kernels round where
-HF's bf16 Llama rounds. The names and
+HF's bf16 Llama rounds. On CUDA tensors each is one Triton kernel
+(``triton/elementwise.py``, the same roundings) where triton imports. The names and
 the in-place contract of ``fused_add_rms_norm`` follow SGLang's kernels, so a
 model written against them ports as it is. ``ACTORLM_NATIVE=0`` keeps PyTorch.
 """
@@ -15,6 +16,8 @@ model written against them ports as it is. ``ACTORLM_NATIVE=0`` keeps PyTorch.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,24 @@ def native_ops() -> Any | None:
 
 
 _KERNELS = {torch.float32: "", torch.bfloat16: "_bf16"}
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@cache
+def _triton_kernels() -> Any | None:
+    """``triton/elementwise.py``, or None without triton or with ``ACTORLM_NATIVE=0``."""
+    if os.environ.get("ACTORLM_NATIVE", "1") == "0" or importlib.util.find_spec("triton") is None:
+        return None
+    from .triton import elementwise
+
+    return elementwise
+
+
+def _cuda(x: torch.Tensor) -> Any | None:
+    """The Triton kernels for a CUDA tensor of a dtype they take, else None."""
+    if x.device.type != "cuda" or x.dtype not in _CUDA_DTYPES:
+        return None
+    return _triton_kernels()
 
 
 def _native(*tensors: torch.Tensor) -> tuple[Any, str] | tuple[None, None]:
@@ -74,6 +95,8 @@ def _native(*tensors: torch.Tensor) -> tuple[Any, str] | tuple[None, None]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension of ``x`` [T, dim]."""
+    if (tk := _cuda(x)) is not None and (out := tk.rms_norm(x, weight, eps)) is not None:
+        return out
     lib, sfx = _native(x)
     if lib is None or not weight.is_contiguous() or weight.dtype != x.dtype:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -93,6 +116,10 @@ def fused_add_rms_norm(
     On the kernel path both happen in place: ``residual`` holds the sum and ``x``
     the normed rows (the caller must own both). Elsewhere new tensors may be returned.
     """
+    if (tk := _cuda(x)) is not None and (
+        done := tk.fused_add_rms_norm(x, residual, weight, eps)
+    ) is not None:
+        return done
     lib, sfx = _native(x, residual)
     if lib is None or not weight.is_contiguous() or weight.dtype != x.dtype:
         residual = residual + x
@@ -107,6 +134,8 @@ def fused_add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x`` = [gate | up] of shape [T, 2d] → [T, d]."""
     d = x.shape[-1] // 2
+    if (tk := _cuda(x)) is not None and (out := tk.silu_and_mul(x)) is not None:
+        return out
     lib, sfx = _native(x)
     if lib is None:
         gate, up = x.split(d, dim=-1)
@@ -125,6 +154,8 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     place and returned; elsewhere a rotated copy is returned.
     """
     T, heads, D = x.shape
+    if (tk := _cuda(x)) is not None and (out := tk.rotate_halves(x, cos, sin)) is not None:
+        return out
     cs, sn = cos.reshape(T, D // 2), sin.reshape(T, D // 2)
     lib, sfx = _native(x[:, 0], cs, sn)
     if lib is None or x.stride(1) != D or cs.stride(0) != sn.stride(0):

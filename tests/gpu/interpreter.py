@@ -29,6 +29,7 @@ __all__ = ["KERNEL_MODULES", "enable"]
 KERNEL_MODULES = (
     "actorlm.gpu.kernels.triton.decode",
     "actorlm.gpu.kernels.triton.extend",
+    "actorlm.gpu.kernels.triton.elementwise",
     "actorlm.gpu.kernels.triton.lora",
 )
 

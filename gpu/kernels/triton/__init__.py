@@ -1,4 +1,5 @@
-"""Triton kernels: paged attention (``decode``, ``extend``) and segmented LoRA (``lora``).
+"""Triton kernels: paged attention (``decode``, ``extend``), segmented LoRA (``lora``) and
+``ops``' element-wise layers on CUDA tensors (``elementwise``).
 
 They run compiled on CUDA tensors, and on CPU tensors through Triton's interpreter when
 ``TRITON_INTERPRET=1`` was set before ``triton`` was first imported (the CPU test suite

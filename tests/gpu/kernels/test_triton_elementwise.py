@@ -1,0 +1,163 @@
+"""The Triton element-wise kernels (the CUDA path of gpu/kernels/ops.py) against the
+PyTorch ops they replace and HF Llama's bf16 roundings, and against the CPU's C kernels
+on the same inputs (on the CPU through Triton's interpreter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.gpu.interpreter import enable
+
+DEVICE = enable()
+
+from actorlm.gpu.forward_meta import SeqSpec  # noqa: E402
+from actorlm.gpu.kernels import ops  # noqa: E402
+from actorlm.gpu.kernels.triton import elementwise as tk  # noqa: E402
+
+from ..helpers import Pages, make_runner  # noqa: E402
+from .test_ops import _hf_rms_norm  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# fp32: summation order; 16-bit: one ulp where fp32 sums in another order cross a tie
+TOL = {
+    torch.float32: {"rtol": 2e-6, "atol": 1e-6},
+    torch.float16: {"rtol": 2**-10, "atol": 1e-3},
+    torch.bfloat16: {"rtol": 2**-7, "atol": 1e-2},
+}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (5, 96), (3, 36)])
+def test_rms_norm_and_the_fused_residual_add_in_place(
+    dtype: torch.dtype, rows: int, dim: int
+) -> None:
+    x = _randn(rows, dim, seed=rows, scale=4, dtype=dtype)
+    res = _randn(rows, dim, seed=dim, dtype=dtype)
+    w = _randn(dim, seed=7, dtype=dtype)
+    want_sum = (res.float() + x.float()).to(dtype)  # rounded once, as stored
+    xx, rr = x.clone(), res.clone()
+    got = tk.fused_add_rms_norm(xx, rr, w, 1e-6)
+    assert got is not None
+    out, total = got
+    assert out.data_ptr() == xx.data_ptr() and total.data_ptr() == rr.data_ptr()
+    assert torch.equal(total, want_sum)
+    torch.testing.assert_close(out, _hf_rms_norm(want_sum, w, 1e-6), **TOL[dtype])
+    plain = tk.rms_norm(x, w, 1e-6)
+    assert plain is not None
+    torch.testing.assert_close(plain, _hf_rms_norm(x, w, 1e-6), **TOL[dtype])
+    torch.testing.assert_close(plain.float(), F.rms_norm(x.float(), (dim,), w.float(), 1e-6),
+                               **TOL[dtype])  # fmt: skip
+
+
+def test_rms_norm_reads_strided_rows_and_refuses_what_it_cannot_take() -> None:
+    base = _randn(6, 100, seed=1, dtype=torch.float32)
+    x = base[:, 10:74]  # row stride 100
+    w = _randn(64, seed=2, dtype=torch.float32)
+    got = tk.rms_norm(x, w, 1e-5)
+    assert got is not None
+    torch.testing.assert_close(got, F.rms_norm(x, (64,), w, 1e-5))
+    assert tk.rms_norm(base.t(), torch.ones(6), 1e-5) is None  # columns, not rows
+    assert tk.silu_and_mul(base.t()) is None
+    assert tk.fused_add_rms_norm(x, x.bfloat16(), w, 1e-5) is None  # mixed dtypes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "d"), [(1, 1536), (3, 13)])
+def test_silu_and_mul(dtype: torch.dtype, rows: int, d: int) -> None:
+    wide = _randn(rows, 2 * d + 8, seed=d, scale=8, dtype=dtype)
+    x = wide[:, : 2 * d]  # a strided view: the row stride is 2d + 8
+    x[0, :4] = torch.tensor([-60.0, 60.0, 0.0, -1e-3])[: min(4, d)].to(dtype)  # tails, zero
+    gate, up = x.split(d, dim=-1)
+    want = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    got = tk.silu_and_mul(x)
+    assert got is not None and got.shape == (rows, d)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got.float(), F.silu(gate.float()) * up.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "dim", "rotary"), [(12, 64, 64), (3, 12, 12), (5, 64, 32)])
+def test_rotate_halves_in_place_on_a_fused_qkv_view(
+    dtype: torch.dtype, heads: int, dim: int, rotary: int
+) -> None:
+    """q and k heads of a fused qkv buffer (v's columns after them), rotated over their
+    first ``rotary`` dims (partial rotary: the rest of each head stays)."""
+    T, kv = 7, 2
+    qkv = _randn(T, (heads + kv) * dim, seed=heads, dtype=dtype)
+    angles = torch.randn(T, 1, rotary // 2, generator=_gen(dim)) * 3
+    cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+    view = qkv[:, : heads * dim].view(T, heads, dim)[..., :rotary]
+    x1, x2 = view.chunk(2, dim=-1)
+    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # rounds per op
+    before = qkv.clone()
+    out = tk.rotate_halves(view, cos, sin)
+    assert out is not None and out.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    rest = qkv.view(T, heads + kv, dim)
+    assert torch.equal(rest[:, heads:], before.view(T, heads + kv, dim)[:, heads:])
+    assert torch.equal(
+        rest[:, :heads, rotary:], before.view(T, heads + kv, dim)[:, :heads, rotary:]
+    )
+    assert tk.rotate_halves(view, cos.float(), sin.float()) is None or dtype == torch.float32
+
+
+@pytest.mark.skipif(ops.native_ops() is None, reason="no C compiler here")
+def test_the_cuda_kernels_compute_what_the_cpu_kernels_do() -> None:
+    """bf16, the same inputs through the Triton kernels and cpu_ops.c: one function on
+    both devices (within one ulp where a sum's order or an exp differs)."""
+    dtype = torch.bfloat16
+    x = _randn(4, 576, seed=11, scale=3, dtype=dtype)
+    r = _randn(4, 576, seed=12, dtype=dtype)
+    w = _randn(576, seed=13, dtype=dtype)
+    cpu_out, cpu_sum = ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-5)
+    got = tk.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-5)
+    assert got is not None
+    assert torch.equal(got[1], cpu_sum)
+    torch.testing.assert_close(got[0], cpu_out, rtol=2**-7, atol=0)
+    nan = x.clone()
+    nan[0, 3] = float("nan")  # rounding by the bits keeps a NaN a NaN
+    normed = tk.rms_norm(nan, w, 1e-5)
+    assert normed is not None and normed[0].isnan().all() and not normed[1:].isnan().any()
+    gu = _randn(4, 2 * 1536, seed=14, scale=4, dtype=dtype)
+    torch.testing.assert_close(tk.silu_and_mul(gu), ops.silu_and_mul(gu), rtol=2**-7, atol=1e-6)
+    qk = _randn(4, 12 * 64, seed=15, dtype=dtype)
+    angles = torch.randn(4, 1, 32, generator=_gen(16)) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    a, b = qk.clone().view(4, 12, 64), qk.clone().view(4, 12, 64)
+    assert torch.equal(tk.rotate_halves(a, cos, sin), ops.rotate_halves(b, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_through_the_triton_kernels_matches_its_cpu_path(
+    dtype: str, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wiring of ops.py's CUDA branch (arguments, in-place contracts) through a whole
+    model's prompt: its kernels taken for the CPU tensors here, against the CPU path."""
+    runner = make_runner(tiny_llama, dtype=dtype, attention_backend="torch",
+                         fused_decode_max_batch=0)  # fmt: skip
+    prompt = list(range(300, 341))
+    want = runner.run([SeqSpec(prompt, 0, Pages().table("a", len(prompt)))])
+    calls: list[str] = []
+
+    def cuda(x: torch.Tensor) -> object:
+        calls.append(str(x.dtype))
+        return tk
+
+    monkeypatch.setattr(ops, "_cuda", cuda)
+    got = runner.run([SeqSpec(prompt, 0, Pages(first=8).table("a", len(prompt)))])
+    layers = runner.info.num_layers
+    assert len(calls) >= 4 * layers  # two norms, SiLU-and-mul and RoPE a layer
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert (got - want).abs().max().item() < tol * want.abs().max().item()
