@@ -3,6 +3,9 @@
 #   scripts/gpu_check.sh [OUT_DIR]
 # Uses $PYTHON (default: .venv/bin/python, else python3), which must have a CUDA build of
 # torch; triton and flashinfer are used where they import (nothing is downloaded here).
+# On an image without actorlm's other dependencies, copy in the wheels of
+# scripts/gpu_wheels.sh first (.whl/, or $WHEELS): they are installed, and actorlm too
+# (editable, offline) where it does not import yet.
 # 1. the GPU tests and the Triton kernel tests (compiled on CUDA tensors when a GPU is
 #    present), 2. bench/gpu.py for each CUDA backend that imports. Writes OUT_DIR
 #    (default bench/results/gpu-check): pytest's log, the benchmark's JSON and table.
@@ -11,6 +14,13 @@ cd "$(dirname "$0")/.."
 out=${1:-bench/results/gpu-check}
 mkdir -p "$out"
 python=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+wheels=${WHEELS:-.whl}
+if ! "$python" -c "import actorlm.engine, xgrammar, llguidance" 2>/dev/null; then
+    if compgen -G "$wheels/*.whl" >/dev/null; then
+        "$python" -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl || exit 1
+    fi
+    "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+fi
 
 "$python" - <<'PY' | tee "$out/versions.txt"
 import importlib, torch
@@ -30,7 +40,8 @@ print(','.join(n for n in ('flashinfer', 'triton') if u.find_spec(n)))")
 
 "$python" -m pytest -q -rs -p no:cacheprovider \
     tests/gpu/test_cuda_backends.py tests/gpu/test_cuda_graphs.py tests/gpu/test_platforms.py \
-    tests/gpu/attention tests/gpu/lora tests/gpu/test_sampling.py tests/extensions/test_discovery.py \
+    tests/gpu/attention tests/gpu/lora tests/gpu/kernels/test_triton_elementwise.py \
+    tests/gpu/test_sampling.py tests/extensions/test_discovery.py \
     2>&1 | tee "$out/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
 
