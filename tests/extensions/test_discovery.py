@@ -314,8 +314,8 @@ def test_cuda_platform_on_a_gpu() -> None:
     assert platform.memory_usage() - before >= block.numel() * 4
     assert platform.total_memory() > platform.memory_usage()
     assert platform.device_name() and platform.distributed_backend == "nccl"
-    # flashinfer where it imports, then triton, then the torch backend
-    want = next((m for m in ("flashinfer", "triton") if importlib.util.find_spec(m)), "torch")
+    # triton where it imports, then flashinfer, then the torch backend
+    want = next((m for m in ("triton", "flashinfer") if importlib.util.find_spec(m)), "torch")
     assert platform.default_attention_backend() == want
 
 

@@ -164,3 +164,22 @@ def test_the_cpu_under_a_gpu_platform_runs_as_on_a_cpu_machine(
     assert (model.device, model.dtype, model.attention_backend) == ("cpu", want, "cpu")
     runner = make_runner(tiny_llama, dtype="auto")
     assert runner.cfg.dtype == want and runner.attention_backend == "cpu"
+
+
+def test_the_cuda_default_backend_is_triton_then_flashinfer_then_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actorlm.gpu import platforms
+
+    platform, present = CudaPlatform(), set[str]()
+    monkeypatch.setattr(platforms, "_imports", lambda module: module in present)
+    for capability, modules, want in [
+        ((9, 0), {"triton", "flashinfer"}, "triton"),
+        ((9, 0), {"flashinfer"}, "flashinfer"),
+        ((9, 0), set(), "torch"),
+        ((7, 0), {"flashinfer"}, "torch"),  # flashinfer's kernels need sm75
+    ]:
+        monkeypatch.setattr(CudaPlatform, "device_capability", lambda *a, c=capability: c)
+        present.clear()
+        present.update(modules)
+        assert platform.default_attention_backend() == want
