@@ -131,9 +131,9 @@ def _rows(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``ops.rms_norm`` for ``x`` [T, N]; None where the kernel does not take it."""
-    T, N = x.shape
-    if not _rows(x) or N > MAX_NORM_DIM or not weight.is_contiguous():
+    if not _rows(x) or x.shape[1] > MAX_NORM_DIM or not weight.is_contiguous():
         return None
+    T, N = x.shape
     out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T:
         block = triton.next_power_of_2(N)
@@ -149,15 +149,15 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``ops.fused_add_rms_norm`` in place (``residual`` holds the sum, ``x`` the normed
     rows); None where the kernel does not take them."""
-    T, N = x.shape
     if (
         not (_rows(x) and _rows(residual))
         or residual.shape != x.shape
         or residual.dtype != x.dtype
-        or N > MAX_NORM_DIM
+        or x.shape[1] > MAX_NORM_DIM
         or not weight.is_contiguous()
     ):
         return None
+    T, N = x.shape
     if T:
         block = triton.next_power_of_2(N)
         rms_norm_kernel[(T,)](

@@ -69,6 +69,8 @@ def test_rms_norm_reads_strided_rows_and_refuses_what_it_cannot_take() -> None:
     assert got is not None
     torch.testing.assert_close(got, F.rms_norm(x, (64,), w, 1e-5))
     assert tk.rms_norm(base.t(), torch.ones(6), 1e-5) is None  # columns, not rows
+    assert tk.rms_norm(base.view(2, 3, 100), torch.ones(100), 1e-5) is None  # not [T, N]
+    assert tk.fused_add_rms_norm(base.view(2, 3, 100), base.view(2, 3, 100), w, 1e-5) is None
     assert tk.silu_and_mul(base.t()) is None
     assert tk.fused_add_rms_norm(x, x.bfloat16(), w, 1e-5) is None  # mixed dtypes
 
