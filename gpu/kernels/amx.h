@@ -76,15 +76,15 @@ static int amx_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs
             for (int64_t b = 0; b < nbc; b++) {
                 const uint16_t *xa = xb + (b0 + b) * QK;
                 float *pb = part + b * Mp * GROUP;
-                _tile_loadd(4, wb + b * 16, 64);
+                AMX_LOADD(4, wb + b * 16, 64);
                 for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
                     _tile_zero(0);
-                    _tile_loadd(2, xa + m0 * K, xstride);
+                    AMX_LOADD(2, xa + m0 * K, xstride);
                     _tile_dpbf16ps(0, 2, 4);
                     _tile_stored(0, pb + m0 * GROUP, 64);
                     if (m0 + 16 < Mp) {
                         _tile_zero(1);
-                        _tile_loadd(3, xa + (m0 + 16) * K, xstride);
+                        AMX_LOADD(3, xa + (m0 + 16) * K, xstride);
                         _tile_dpbf16ps(1, 3, 4);
                         _tile_stored(1, pb + (m0 + 16) * GROUP, 64);
                     }
@@ -172,19 +172,19 @@ static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t
             _tile_zero(3);
             for (int64_t b = 0; b < nb; b++) {
                 const uint16_t *xa = xb + t0 * 16 * K + b * QK;
-                _tile_loadd(5, wb + b * 16, 64);
-                _tile_loadd(4, xa, xstride);
+                AMX_LOADD(5, wb + b * 16, 64);
+                AMX_LOADD(4, xa, xstride);
                 _tile_dpbf16ps(0, 4, 5);
                 if (nt > 1) {
-                    _tile_loadd(4, xa + 16 * K, xstride);
+                    AMX_LOADD(4, xa + 16 * K, xstride);
                     _tile_dpbf16ps(1, 4, 5);
                 }
                 if (nt > 2) {
-                    _tile_loadd(4, xa + 32 * K, xstride);
+                    AMX_LOADD(4, xa + 32 * K, xstride);
                     _tile_dpbf16ps(2, 4, 5);
                 }
                 if (nt > 3) {
-                    _tile_loadd(4, xa + 48 * K, xstride);
+                    AMX_LOADD(4, xa + 48 * K, xstride);
                     _tile_dpbf16ps(3, 4, 5);
                 }
             }
@@ -243,11 +243,11 @@ static int amx_dense_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
             _tile_zero(0);
             _tile_zero(1);
             for (int64_t kc = 0; kc < nk; kc++) {
-                _tile_loadd(2, wn + kc * QK, wstride);
-                _tile_loadd(3, x0 + kc * 256, 64);
+                AMX_LOADD(2, wn + kc * QK, wstride);
+                AMX_LOADD(3, x0 + kc * 256, 64);
                 _tile_dpbf16ps(0, 2, 3);
                 if (two) {
-                    _tile_loadd(4, x1 + kc * 256, 64);
+                    AMX_LOADD(4, x1 + kc * 256, 64);
                     _tile_dpbf16ps(1, 2, 4);
                 }
             }

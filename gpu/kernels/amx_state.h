@@ -30,13 +30,29 @@ typedef struct {
     uint8_t rows[16];
 } amx_config_t;
 
+/* ldtilecfg and tileloadd, telling the compiler what memory they read. GCC's own (12, at
+   least) declare that ldtilecfg reads 8 bytes and that tileloadd reads nothing, so it may
+   drop or sink the stores they depend on: built without inlining, a configuration was
+   left half-written and loading it faulted (SIGSEGV). Clang's builtins say it right. */
+static inline void amx_load_config(const amx_config_t *c) {
+    __asm__ volatile("ldtilecfg %0" ::"m"(*c));
+}
+
+#if defined(__clang__)
+#define AMX_LOADD(tile, base, stride) _tile_loadd(tile, base, stride)
+#else
+#define AMX_LOADD(tile, base, stride)                                                      \
+    __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #tile ::"m"(*(const char(*)[])(base)), \
+                     "r"((const void *)(base)), "r"((long)(stride)))
+#endif
+
 /* Tiles [0, n) as 16 rows of 64 bytes each (palette 1), on this thread. */
 static inline void amx_configure_tiles(int n) {
     amx_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < n; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
+    amx_load_config(&c);
 }
 
 #endif

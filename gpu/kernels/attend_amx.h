@@ -38,7 +38,7 @@ static void att_amx_configure(int64_t G) {
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = t < 5 ? (uint8_t)G : 16;
-    _tile_loadconfig(&c);
+    amx_load_config(&c);
 }
 
 /* Whether this call can take the tiles (and, when it can, their configuration loaded). */
@@ -81,8 +81,8 @@ static void att_amx_scores(const float *q, const uint16_t *k, const uint16_t *v,
         }
         _tile_zero(7);
         for (int64_t c = 0; c < D / 32; c++) {
-            _tile_loadd(6, kp + c * 32, D * 2);
-            _tile_loadd(5, qt + c * 256, 64);
+            AMX_LOADD(6, kp + c * 32, D * 2);
+            AMX_LOADD(5, qt + c * 256, 64);
             _tile_dpbf16ps(7, 6, 5);
         }
         _tile_stored(7, st, 64);
@@ -125,14 +125,14 @@ static void att_amx_values(const float *p, const uint16_t *v, const int64_t *tab
                     vb[2 * c + 1][i] = _mm512_unpackhi_epi16(x0, x1);
                 }
             }
-            _tile_loadd(4, pb + j0, lp * 2);
-            _tile_loadd(5, vb[0], 64);
+            AMX_LOADD(4, pb + j0, lp * 2);
+            AMX_LOADD(5, vb[0], 64);
             _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, vb[1], 64);
+            AMX_LOADD(5, vb[1], 64);
             _tile_dpbf16ps(1, 4, 5);
-            _tile_loadd(5, vb[2], 64);
+            AMX_LOADD(5, vb[2], 64);
             _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(5, vb[3], 64);
+            AMX_LOADD(5, vb[3], 64);
             _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, ob, 256);

@@ -174,17 +174,17 @@ static void fa_scores(const fa_scratch *sc, int64_t t, int64_t most, int64_t D) 
         _tile_zero(3);
         for (int64_t dc = 0; dc < D / 32; dc++) {
             const uint32_t *kt = sc->kt + dc * 16 * FA_KB + g0 * 16;
-            _tile_loadd(4, q + dc * 32, D * 2);
-            _tile_loadd(5, kt, FA_KB * 4);
+            AMX_LOADD(4, q + dc * 32, D * 2);
+            AMX_LOADD(5, kt, FA_KB * 4);
             _tile_dpbf16ps(0, 4, 5);
             if (left < 2) continue;
-            _tile_loadd(5, kt + 16, FA_KB * 4);
+            AMX_LOADD(5, kt + 16, FA_KB * 4);
             _tile_dpbf16ps(1, 4, 5);
             if (left < 3) continue;
-            _tile_loadd(5, kt + 32, FA_KB * 4);
+            AMX_LOADD(5, kt + 32, FA_KB * 4);
             _tile_dpbf16ps(2, 4, 5);
             if (left < 4) continue;
-            _tile_loadd(5, kt + 48, FA_KB * 4);
+            AMX_LOADD(5, kt + 48, FA_KB * 4);
             _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, s + g0 * 16, ws);
@@ -252,14 +252,14 @@ static void fa_values(const fa_scratch *sc, int64_t t, int64_t most, int64_t D) 
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; c++) {
             const uint32_t *vp = sc->vp + c * 16 * D + e0;
-            _tile_loadd(4, p + c * 32, FA_KB * 2);
-            _tile_loadd(5, vp, D * 4);
+            AMX_LOADD(4, p + c * 32, FA_KB * 2);
+            AMX_LOADD(5, vp, D * 4);
             _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(5, vp + 16, D * 4);
+            AMX_LOADD(5, vp + 16, D * 4);
             _tile_dpbf16ps(1, 4, 5);
-            _tile_loadd(5, vp + 32, D * 4);
+            AMX_LOADD(5, vp + 32, D * 4);
             _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(5, vp + 48, D * 4);
+            AMX_LOADD(5, vp + 48, D * 4);
             _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, s + e0, ws);
