@@ -117,49 +117,59 @@ def test_rotate_halves_in_place_on_a_fused_qkv_view(
 
 @pytest.mark.skipif(ops.native_ops() is None, reason="no C compiler here")
 def test_the_cuda_kernels_compute_what_the_cpu_kernels_do() -> None:
-    """bf16, the same inputs through the Triton kernels and cpu_ops.c: one function on
-    both devices (within one ulp where a sum's order or an exp differs)."""
-    dtype = torch.bfloat16
-    x = _randn(4, 576, seed=11, scale=3, dtype=dtype)
-    r = _randn(4, 576, seed=12, dtype=dtype)
-    w = _randn(576, seed=13, dtype=dtype)
+    """bf16, the same inputs through the Triton kernels (on DEVICE) and cpu_ops.c (on
+    the CPU): one function on both devices (within one ulp where a sum's order or an exp
+    differs)."""
+    dtype, cpu = torch.bfloat16, torch.device("cpu")
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(DEVICE).clone()
+
+    x = _randn(4, 576, seed=11, scale=3, dtype=dtype).to(cpu)
+    r = _randn(4, 576, seed=12, dtype=dtype).to(cpu)
+    w = _randn(576, seed=13, dtype=dtype).to(cpu)
     cpu_out, cpu_sum = ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-5)
-    got = tk.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-5)
+    got = tk.fused_add_rms_norm(dev(x), dev(r), dev(w), 1e-5)
     assert got is not None
-    assert torch.equal(got[1], cpu_sum)
-    torch.testing.assert_close(got[0], cpu_out, rtol=2**-7, atol=0)
-    nan = x.clone()
+    assert torch.equal(got[1].cpu(), cpu_sum)
+    torch.testing.assert_close(got[0].cpu(), cpu_out, rtol=2**-7, atol=0)
+    nan = dev(x)
     nan[0, 3] = float("nan")  # rounding by the bits keeps a NaN a NaN
-    normed = tk.rms_norm(nan, w, 1e-5)
+    normed = tk.rms_norm(nan, dev(w), 1e-5)
     assert normed is not None and normed[0].isnan().all() and not normed[1:].isnan().any()
-    gu = _randn(4, 2 * 1536, seed=14, scale=4, dtype=dtype)
-    torch.testing.assert_close(tk.silu_and_mul(gu), ops.silu_and_mul(gu), rtol=2**-7, atol=1e-6)
-    qk = _randn(4, 12 * 64, seed=15, dtype=dtype)
+    gu = _randn(4, 2 * 1536, seed=14, scale=4, dtype=dtype).to(cpu)
+    silu = tk.silu_and_mul(dev(gu))
+    assert silu is not None
+    torch.testing.assert_close(silu.cpu(), ops.silu_and_mul(gu), rtol=2**-7, atol=1e-6)
+    qk = _randn(4, 12 * 64, seed=15, dtype=dtype).to(cpu)
     angles = torch.randn(4, 1, 32, generator=_gen(16)) * 3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    a, b = qk.clone().view(4, 12, 64), qk.clone().view(4, 12, 64)
-    assert torch.equal(tk.rotate_halves(a, cos, sin), ops.rotate_halves(b, cos, sin))
+    rotated = tk.rotate_halves(dev(qk).view(4, 12, 64), dev(cos), dev(sin))
+    assert rotated is not None
+    assert torch.equal(rotated.cpu(), ops.rotate_halves(qk.clone().view(4, 12, 64), cos, sin))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_model_through_the_triton_kernels_matches_its_cpu_path(
+def test_a_model_through_the_triton_kernels_matches_its_other_path(
     dtype: str, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The wiring of ops.py's CUDA branch (arguments, in-place contracts) through a whole
-    model's prompt: its kernels taken for the CPU tensors here, against the CPU path."""
-    runner = make_runner(tiny_llama, dtype=dtype, attention_backend="torch",
-                         fused_decode_max_batch=0)  # fmt: skip
+    model's prompt: with the Triton kernels taken for every tensor (here the CPU's, in
+    the interpreter; on a GPU, CUDA's) against the same model with them refused (the
+    CPU's C kernels, or PyTorch on a GPU)."""
+    runner = make_runner(tiny_llama, dtype=dtype, device=str(DEVICE), attention_backend="torch",
+                         fused_decode_max_batch=0, disable_cuda_graph=True)  # fmt: skip
     prompt = list(range(300, 341))
+    monkeypatch.setattr(ops, "_cuda", lambda x: None)
     want = runner.run([SeqSpec(prompt, 0, Pages().table("a", len(prompt)))])
     calls: list[str] = []
 
-    def cuda(x: torch.Tensor) -> object:
+    def triton_always(x: torch.Tensor) -> object:
         calls.append(str(x.dtype))
         return tk
 
-    monkeypatch.setattr(ops, "_cuda", cuda)
+    monkeypatch.setattr(ops, "_cuda", triton_always)
     got = runner.run([SeqSpec(prompt, 0, Pages(first=8).table("a", len(prompt)))])
-    layers = runner.info.num_layers
-    assert len(calls) >= 4 * layers  # two norms, SiLU-and-mul and RoPE a layer
+    assert len(calls) >= 4 * runner.info.num_layers  # two norms, SiLU-and-mul, RoPE a layer
     tol = 1e-4 if dtype == "float32" else 3e-2
     assert (got - want).abs().max().item() < tol * want.abs().max().item()
