@@ -7,7 +7,8 @@
 # scripts/gpu_wheels.sh first (.whl/, or $WHEELS): they are installed, and actorlm too
 # (editable, offline) where it does not import yet.
 # 1. the GPU tests and the Triton kernel tests (compiled on CUDA tensors when a GPU is
-#    present), 2. bench/gpu.py for each CUDA backend that imports. Writes OUT_DIR
+#    present), 2. bench/gpu.py for each CUDA backend that imports, then its decode steps
+#    again with the element-wise layers on PyTorch. Writes OUT_DIR
 #    (default bench/results/gpu-check): pytest's log, the benchmark's JSON and table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,5 +48,9 @@ tests_rc=${PIPESTATUS[0]}
 
 "$python" bench/gpu.py --attention-backends "$backends" --profile-batch 1 --out "$out/gpu.json" 2>&1 | tee "$out/bench.txt"
 bench_rc=${PIPESTATUS[0]}
+# The same decode steps with the element-wise layers on PyTorch (ACTORLM_NATIVE=0 refuses
+# triton/elementwise.py): what those kernels save, measured in the same run
+ACTORLM_NATIVE=0 "$python" bench/gpu.py --attention-backends "$backends" --skip-offline \
+    --batch-sizes 1,64,256 --out "$out/gpu-torch-elementwise.json" 2>&1 | tail -12
 echo "pytest rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc != 0 || bench_rc != 0 ))
