@@ -121,26 +121,31 @@ def rope_kernel(
     tl.store(first + HALF, _rounded(b, dt), mask=live)
 
 
-def _norm_warps(block: int) -> int:
-    return min(max(block // 256, 1), 16)
-
-
 def _rows(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.stride(1) == 1
+
+
+def _norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+    eps: float,
+) -> None:  # fmt: skip
+    """One program a row of ``x`` [T, N]: ``out`` = norm(x (+ residual, stored back))."""
+    T, N = x.shape
+    if T:
+        block = triton.next_power_of_2(N)
+        res = x if residual is None else residual
+        rms_norm_kernel[(T,)](
+            x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        )  # fmt: skip
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``ops.rms_norm`` for ``x`` [T, N]; None where the kernel does not take it."""
     if not _rows(x) or x.shape[1] > MAX_NORM_DIM or not weight.is_contiguous():
         return None
-    T, N = x.shape
-    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    if T:
-        block = triton.next_power_of_2(N)
-        rms_norm_kernel[(T,)](
-            x, x, weight, out, x.stride(0), 0, out.stride(0), N, eps,
-            HAS_RES=False, BLOCK=block, num_warps=_norm_warps(block),
-        )  # fmt: skip
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm(x, None, weight, out, eps)
     return out
 
 
@@ -157,13 +162,7 @@ def fused_add_rms_norm(
         or not weight.is_contiguous()
     ):
         return None
-    T, N = x.shape
-    if T:
-        block = triton.next_power_of_2(N)
-        rms_norm_kernel[(T,)](
-            x, residual, weight, x, x.stride(0), residual.stride(0), x.stride(0), N, eps,
-            HAS_RES=True, BLOCK=block, num_warps=_norm_warps(block),
-        )  # fmt: skip
+    _norm(x, residual, weight, x, eps)
     return x, residual
 
 
