@@ -4,7 +4,8 @@ A GGUF model's weights load dequantized to fp32. ``pack`` finds the 32-wide bloc
 they came from (Q4_1: ``w = q * d + m`` with 16 levels; Q8_0: ``w = q * d``) and
 keeps them only when they rebuild every weight bit for bit, so the packed layer
 computes with the file's exact values; a weight that is not such a block format
-(a full-precision model, an F16 tensor) packs to None. ``gemm`` then runs
+(a full-precision model, an F16 tensor) packs to None; ``quantize`` rounds such a
+weight to blocks instead, as llama.cpp's quantizer does. ``gemm`` then runs
 ``cpu_qgemm.c`` (over ``gemv.h``): each block expands to fp32 in registers and serves
 up to 8 rows of activations, so a decode step reads ~5 bits a weight instead of 16
 (fp16) or 32 and the multiply-adds stay fp32, for fp32 or bf16 activations. ``Lin``
@@ -37,6 +38,7 @@ __all__ = [
     "linear",
     "native_qgemm",
     "pack",
+    "quantize",
 ]
 
 QK = 32  # weights a block
@@ -173,6 +175,40 @@ def pack(weight: torch.Tensor, native_pack: bool = True) -> PackedWeight | None:
         if fmt is None or not np.isfinite(blocks).all():
             return None
         return fmt(blocks)
+
+
+def quantize(weight: torch.Tensor, kind: str) -> PackedWeight | None:
+    """``weight`` [N, K] rounded to ``kind`` ("q8_0" or "q4_1") blocks the way llama.cpp's
+    reference quantizer (and ``gguf.quants``) rounds them, bit for bit: Q8_0 ``d = max|w| /
+    127``, codes ``roundf(w / d)``; Q4_1 ``d = (max - min) / 15``, ``m = min``, codes
+    ``trunc((w - m) / d + 0.5)``; codes from the fp32 scales, which are then stored as
+    fp16. None where K is not a multiple of 32, or a weight or scale is not finite."""
+    if weight.dim() != 2 or weight.shape[1] % QK or weight.numel() == 0:
+        return None
+    n, k = weight.shape
+    blocks = weight.detach().to("cpu", torch.float32).reshape(n, k // QK, QK)
+    if not torch.isfinite(blocks).all():
+        return None
+    if kind == "q8_0":
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        x = blocks * torch.where(d == 0, 0, 1 / d)
+        a = x.abs()  # gguf.quants' np_roundf: halves away from zero, no rounding of a + 0.5
+        q = (torch.sign(x) * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
+        codes, m16 = q, None
+    elif kind == "q4_1":
+        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        x = (blocks - lo) * torch.where(d == 0, 0, 1 / d) + 0.5
+        q = x.trunc().clamp(0, 15).to(torch.uint8)
+        codes, m16 = q[..., 0::2] | (q[..., 1::2] << 4), lo[..., 0].half()
+    else:
+        raise ValueError(f"block format {kind!r} unknown; known: q8_0, q4_1")
+    d16 = d[..., 0].half()
+    if not torch.isfinite(d16).all() or (m16 is not None and not torch.isfinite(m16).all()):
+        return None
+    parts = [torch.from_numpy(_groups(t.numpy())) for t in (codes, d16)]
+    m = None if m16 is None else torch.from_numpy(_groups(m16.numpy()))
+    return PackedWeight(kind, parts[0], parts[1], m, (n, k))
 
 
 @cache
