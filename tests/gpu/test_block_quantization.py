@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from actorlm.gpu.kernels import qgemm
+from actorlm.gpu.models.layers import GatedMLP
 from actorlm.gpu.quantization import GGUFLinear, Q8_0Method
 from torch import nn
 
@@ -92,7 +93,9 @@ def test_the_kernel_computes_the_rounded_weight(kind: str, rows: int) -> None:
 
 def _rounded_reference(path: Path, kind: str) -> Any:
     """transformers' fp32 model with every linear weight (and the LM head, untied from
-    the embeddings, which stay as they are) rounded as the method rounds them."""
+    the embeddings, which stay as they are) rounded as the method rounds them; an MoE's
+    experts (transformers keeps them stacked, [experts, out, in]) each as a linear, its
+    router as it is (actorlm keeps routers in full precision)."""
     model = hf_model(path)
 
     def rounded(weight: torch.Tensor) -> torch.Tensor:
@@ -104,6 +107,10 @@ def _rounded_reference(path: Path, kind: str) -> Any:
         for module in model.modules():
             if isinstance(module, nn.Linear) and module is not model.lm_head:
                 module.weight.copy_(rounded(module.weight))
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                for e in range(param.shape[0]):
+                    param[e].copy_(rounded(param[e]))
         head = rounded(model.lm_head.weight.detach()).clone()
         model.lm_head.weight = nn.Parameter(head, requires_grad=False)
     return model
@@ -120,6 +127,21 @@ def test_method_matches_transformers_on_the_rounded_weights(
     assert len(layers) == 4 * runner.info.num_layers + 1  # qkv, o, gate_up, down; the head
     assert {m.packed.kind for m in layers} == {kind}
     assert runner.fused is not None  # decode steps run the blocks as one native call
+    assert_matches_hf(runner, _rounded_reference(path, kind), [PROMPT, [5, 17, 923, 4, 88], [42]])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moe_experts_are_rounded_like_any_linear(
+    kind: str, family_model_factory: Callable[..., Path]
+) -> None:
+    path = family_model_factory("mixtral")
+    runner = make_runner(path, quantization=kind)
+    experts = [
+        m for n, m in runner.model.named_modules() if isinstance(m, GatedMLP) and ".experts." in n
+    ]
+    assert len(experts) == 8 * runner.info.num_layers
+    assert all(isinstance(m.gate_up_proj, GGUFLinear) for m in experts)
+    assert all(isinstance(m.down_proj, GGUFLinear) for m in experts)
     assert_matches_hf(runner, _rounded_reference(path, kind), [PROMPT, [5, 17, 923, 4, 88], [42]])
 
 
