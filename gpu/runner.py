@@ -37,7 +37,7 @@ from .loaders.base import load_model, make_loader
 from .model_info import ModelInfo, kv_pages_for_budget
 from .models.base import CausalLM
 from .platforms import Platform, device_platform, resolve_dtype
-from .quantization import quantize_model
+from .quantization import GGUFLinear, GGUFMethod, quantize_model
 
 if TYPE_CHECKING:
     from .lora.pool import LoraMemoryPool
@@ -84,6 +84,13 @@ class ModelRunner:
         )
         if converted := quantize_model(self.model, method):
             log.info("quantization %s: %d linear layers converted", method.name, converted)
+        if isinstance(method, GGUFMethod) and not any(
+            isinstance(m, GGUFLinear) for m in self.model.modules()
+        ):
+            log.info(
+                "quantization gguf: these weights are not GGUF blocks, so decode reads them "
+                "dense; --quantization q8_0 or q4_1 rounds them to blocks as they load"
+            )
         if load_dtype != self.dtype:
             self.model.to(self.dtype)  # what the method left unconverted (embeddings, norms)
         graphs = use_cuda_graphs(cfg, self.device, platform)

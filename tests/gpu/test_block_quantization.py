@@ -10,6 +10,7 @@ decode steps and the model's own layers alike.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,15 @@ def test_the_method_runs_on_the_cpu_in_float32_or_bfloat16() -> None:
     for device, dtype in [("cuda", torch.bfloat16), ("cpu", torch.float16)]:
         with pytest.raises(ValueError, match="runs on the CPU in float32 or bfloat16"):
             method.check(torch.device(device), dtype)
+
+
+def test_a_dense_checkpoint_under_gguf_points_at_the_block_methods(
+    tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="actorlm.gpu.runner"):
+        make_runner(tiny_llama, quantization="gguf")
+        hinted = "--quantization q8_0 or q4_1" in caplog.text
+        caplog.clear()
+        make_runner(tiny_llama, quantization="q4_1")
+    assert hinted
+    assert "--quantization q8_0 or q4_1" not in caplog.text
