@@ -28,8 +28,10 @@ Built in:
 - ``q8_0``, ``q4_1``: any checkpoint (an HF model's bf16 or fp32 safetensors) rounded
   to those blocks as it loads, as llama.cpp's quantizer rounds them, then run as
   ``gguf`` runs a GGUF's blocks (prompts: a dense copy of the rounded weights, in the
-  compute dtype). Weights only: activations stay in the compute dtype, so Q8_0 reads
-  ~8.5 bits a weight in decode for ~0.4% relative error a weight, Q4_1 ~5 bits for ~6%.
+  compute dtype, kept beside the blocks as ``gguf`` keeps one). Weights only:
+  activations stay in the compute dtype. Decode reads 8.5 bits a weight for Q8_0
+  (rounding off by at most ~1/254 of its block's largest magnitude), 5 for Q4_1 (~1/30
+  of its block's range).
 
 fbgemm's int8 path (W8A8 dynamic) is faster still but quantizes activations per
 tensor to 7 bits; on the default model greedy tokens change from the first one,
