@@ -52,7 +52,10 @@ def test_rounding_is_llama_cpp_s_bit_for_bit(kind: str) -> None:
     packed = qgemm.quantize(w, kind)
     assert packed is not None and packed.kind == kind and packed.shape == (40, 96)
     qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
-    want = dequantize(quantize(w.numpy(), qtype), qtype).reshape(w.shape)
+    try:
+        want = dequantize(quantize(w.numpy(), qtype), qtype).reshape(w.shape)
+    except NotImplementedError:  # gguf releases before its numpy quantizers
+        pytest.skip(f"this gguf package cannot quantize {kind}")
     got = packed.dequantize().numpy()
     assert np.array_equal(got, want)
     # and it did round: half a step, and what rounding the scales to fp16 moves (codes
