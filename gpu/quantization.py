@@ -246,11 +246,11 @@ class BlockQuantMethod(LinearMethod):
         return torch.float32  # rounded from the checkpoint's exact values
 
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        packed = qgemm.quantize(weight, self.kind)
+        rounded = torch.empty(weight.shape, dtype=torch.float32)
+        packed = qgemm.quantize(weight, self.kind, rounded)
         if packed is None:
             return _plain_linear(weight.to(self.dtype), bias)
-        dense = _plain_linear(packed.dequantize().to(self.dtype), bias)
-        return GGUFLinear(packed, bias, dense)
+        return GGUFLinear(packed, bias, _plain_linear(rounded.to(self.dtype), bias))
 
 
 class Q8_0Method(BlockQuantMethod):

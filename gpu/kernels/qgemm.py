@@ -177,38 +177,77 @@ def pack(weight: torch.Tensor, native_pack: bool = True) -> PackedWeight | None:
         return fmt(blocks)
 
 
-def quantize(weight: torch.Tensor, kind: str) -> PackedWeight | None:
+def quantize(
+    weight: torch.Tensor, kind: str, values: torch.Tensor | None = None
+) -> PackedWeight | None:
     """``weight`` [N, K] rounded to ``kind`` ("q8_0" or "q4_1") blocks the way llama.cpp's
     reference quantizer (and ``gguf.quants``) rounds them, bit for bit: Q8_0 ``d = max|w| /
     127``, codes ``roundf(w / d)``; Q4_1 ``d = (max - min) / 15``, ``m = min``, codes
     ``trunc((w - m) / d + 0.5)``; codes from the fp32 scales, which are then stored as
-    fp16. None where K is not a multiple of 32, or a weight or scale is not finite."""
+    fp16. ``values`` (fp32 [N, K]), if given, receives the weight the blocks encode, as
+    ``PackedWeight.dequantize`` gives it. None where K is not a multiple of 32, or a
+    weight or scale is not finite."""
     if weight.dim() != 2 or weight.shape[1] % QK or weight.numel() == 0:
         return None
-    n, k = weight.shape
-    blocks = weight.detach().to("cpu", torch.float32).reshape(n, k // QK, QK)
-    if not torch.isfinite(blocks).all():
-        return None
-    if kind == "q8_0":
-        d = blocks.abs().amax(-1, keepdim=True) / 127
-        x = blocks * torch.where(d == 0, 0, 1 / d)
-        a = x.abs()  # gguf.quants' np_roundf: halves away from zero, no rounding of a + 0.5
-        q = (torch.sign(x) * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)
-        codes, m16 = q, None
-    elif kind == "q4_1":
-        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-        d = (hi - lo) / 15
-        x = (blocks - lo) * torch.where(d == 0, 0, 1 / d) + 0.5
-        q = x.trunc().clamp(0, 15).to(torch.uint8)
-        codes, m16 = q[..., 0::2] | (q[..., 1::2] << 4), lo[..., 0].half()
-    else:
+    if kind not in ("q8_0", "q4_1"):
         raise ValueError(f"block format {kind!r} unknown; known: q8_0, q4_1")
-    d16 = d[..., 0].half()
-    if not torch.isfinite(d16).all() or (m16 is not None and not torch.isfinite(m16).all()):
-        return None
+    n, k = weight.shape
+    q4 = kind == "q4_1"
+    codes = torch.empty(n, k // QK, QK // 2 if q4 else QK, dtype=torch.uint8 if q4 else torch.int8)
+    d16 = torch.empty(n, k // QK, dtype=torch.float16)
+    m16 = torch.empty_like(d16) if q4 else None
+    # rows a slice at a time: a model's largest weight (an LM head) is ~10^8 values, and
+    # whole-weight temporaries each cost a fresh allocation's page faults
+    for r0 in range(0, n, _QUANTIZE_ROWS):
+        w = weight[r0 : r0 + _QUANTIZE_ROWS].detach().to("cpu", torch.float32)
+        out = None if values is None else values[r0 : r0 + w.shape[0]].view(w.shape[0], -1, QK)
+        m = None if m16 is None else m16[r0:]
+        if not _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m, out):
+            return None
     parts = [torch.from_numpy(_groups(t.numpy())) for t in (codes, d16)]
     m = None if m16 is None else torch.from_numpy(_groups(m16.numpy()))
     return PackedWeight(kind, parts[0], parts[1], m, (n, k))
+
+
+_QUANTIZE_ROWS = 4096
+
+
+def _round_rows(
+    blocks: torch.Tensor,
+    codes: torch.Tensor,
+    d16: torch.Tensor,
+    m16: torch.Tensor | None,
+    values: torch.Tensor | None,
+) -> bool:
+    """``quantize`` for one slice of rows [R, K/32, 32] (fp32) into the first R rows of
+    ``codes``, ``d16`` (and ``m16``: Q4_1) and ``values`` [R, K/32, 32]; False where a
+    weight or scale is not finite."""
+    rows = blocks.shape[0]
+    lo, hi = torch.aminmax(blocks, dim=-1, keepdim=True)  # inf, NaN: the block's too
+    if m16 is None:  # Q8_0
+        d = torch.maximum(hi, -lo) / 127
+        x = blocks * torch.where(d == 0, 0, 1 / d)
+        a = x.abs()  # gguf.quants' np_roundf: halves away from zero, no rounding of a + 0.5
+        f = a.floor()
+        q = a.sub_(f).mul_(2).floor_().add_(f).copysign_(x).add_(0.0)  # -0 -> 0, as the codes
+        codes[:rows] = q
+    else:
+        d = (hi - lo) / 15
+        q = (blocks - lo).mul_(torch.where(d == 0, 0, 1 / d)).add_(0.5).trunc_().clamp_(0, 15)
+        q8 = q.to(torch.uint8)
+        codes[:rows] = q8[..., 0::2] | (q8[..., 1::2] << 4)
+        m16[:rows] = lo[..., 0]
+    d16[:rows] = d[..., 0]
+    if values is not None:  # dequantize's arithmetic: q * d, then + m
+        torch.mul(q, d16[:rows, :, None].float(), out=values)
+        if m16 is not None:
+            values += m16[:rows, :, None].float()
+    ok = bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())
+    return (
+        ok
+        and bool(torch.isfinite(d16[:rows]).all())
+        and (m16 is None or bool(torch.isfinite(m16[:rows]).all()))
+    )
 
 
 @cache

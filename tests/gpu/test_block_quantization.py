@@ -44,13 +44,17 @@ def _weight() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_rounding_is_llama_cpp_s_bit_for_bit(kind: str) -> None:
+def test_rounding_is_llama_cpp_s_bit_for_bit(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import gguf
     from gguf.quants import dequantize, quantize
 
+    monkeypatch.setattr(qgemm, "_QUANTIZE_ROWS", 16)  # rows in slices, the last one short
     w = _weight()
-    packed = qgemm.quantize(w, kind)
+    values = torch.empty(40, 96)
+    packed = qgemm.quantize(w, kind, values)
     assert packed is not None and packed.kind == kind and packed.shape == (40, 96)
+    assert torch.equal(values, packed.dequantize())  # and bit for bit, signs of zero too
+    assert torch.equal(values.view(torch.int32), packed.dequantize().view(torch.int32))
     qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
     try:
         want = dequantize(quantize(w.numpy(), qtype), qtype).reshape(w.shape)
