@@ -201,8 +201,8 @@ def quantize(
     for r0 in range(0, n, _QUANTIZE_ROWS):
         w = weight[r0 : r0 + _QUANTIZE_ROWS].detach().to("cpu", torch.float32)
         out = None if values is None else values[r0 : r0 + w.shape[0]].view(w.shape[0], -1, QK)
-        m = None if m16 is None else m16[r0:]
-        if not _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m, out):
+        m_rows = None if m16 is None else m16[r0:]
+        if not _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m_rows, out):
             return None
     parts = [torch.from_numpy(_groups(t.numpy())) for t in (codes, d16)]
     m = None if m16 is None else torch.from_numpy(_groups(m16.numpy()))

@@ -53,7 +53,7 @@ def test_rounding_is_llama_cpp_s_bit_for_bit(kind: str, monkeypatch: pytest.Monk
     values = torch.empty(40, 96)
     packed = qgemm.quantize(w, kind, values)
     assert packed is not None and packed.kind == kind and packed.shape == (40, 96)
-    assert torch.equal(values, packed.dequantize())  # and bit for bit, signs of zero too
+    # what dequantize gives, bit for bit (signs of zero too)
     assert torch.equal(values.view(torch.int32), packed.dequantize().view(torch.int32))
     qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
     try:
