@@ -42,7 +42,7 @@ print(','.join(n for n in ('flashinfer', 'triton') if u.find_spec(n)))")
 "$python" -m pytest -q -rs -p no:cacheprovider \
     tests/gpu/test_cuda_backends.py tests/gpu/test_cuda_graphs.py tests/gpu/test_platforms.py \
     tests/gpu/attention tests/gpu/lora tests/gpu/kernels/test_triton_elementwise.py \
-    tests/gpu/test_sampling.py tests/extensions/test_discovery.py \
+    tests/gpu/test_sampling.py tests/gpu/test_cuda_serve.py tests/extensions/test_discovery.py \
     2>&1 | tee "$out/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
 

@@ -171,7 +171,9 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def write_kv(layer_kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Store ``k``, ``v`` [T, heads, D] at flat ``slots`` [T] of one layer's pool
     [2, heads, pages, page_size, D] (contiguous, k's dtype); False where the kernel
-    cannot take them (the caller's torch path then does)."""
+    cannot take them (the caller's torch path then does). On CUDA, one Triton launch."""
+    if (tk := _cuda(k)) is not None:
+        return bool(tk.write_kv(layer_kv, slots, k, v))
     lib = native_ops()
     T, heads, D = k.shape
     if (

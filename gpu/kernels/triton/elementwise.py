@@ -1,10 +1,12 @@
 """The element-wise layers on CUDA, one Triton kernel each: RMSNorm (the residual add
-folded in, in place), SiLU-and-multiply, and rotary embedding (in place).
+folded in, in place), SiLU-and-multiply, rotary embedding (in place), and the store of
+a step's new K and V into a layer of the paged pool.
 
 PyTorch runs each as a chain of kernels on the GPU (the add, then the norm; SiLU, then
-the product; four products, two sums and a concatenation for RoPE), ~12 launches a layer
-of 1-6 us each: in a batch-1 decode step of an 8B model on an H200 ~1.1 ms of the 5.5 ms
-of device time (bench/README.md, GPU). These are one launch a layer op, and they round
+the product; four products, two sums and a concatenation for RoPE; two ``index_copy_``
+walking elements for the KV write), ~12 launches a layer of 1-6 us each. On an H200 a
+decode step of an 8B model is 0.6-0.8 ms (8-10 %) shorter with these kernels
+(bench/README.md, GPU). These are one launch a layer op, and they round
 where ``ops.py``'s CPU kernels and HF's Llama round (a bf16 sum is stored before it is
 normed; the normed value before the weight; SiLU before the product; RoPE's products
 before their sum), so the CUDA and CPU paths compute the same function. fp32 runs the
@@ -25,6 +27,8 @@ __all__ = [
     "rotate_halves",
     "silu_and_mul",
     "silu_and_mul_kernel",
+    "write_kv",
+    "write_kv_kernel",
 ]
 
 MAX_NORM_DIM = 65536  # one program holds a row: wider ones stay on PyTorch
@@ -121,6 +125,33 @@ def rope_kernel(
     tl.store(first + HALF, _rounded(b, dt), mask=live)
 
 
+@triton.jit
+def write_kv_kernel(
+    Pool,
+    Slots,
+    K,
+    V,
+    stride_kt,
+    stride_vt,
+    head_stride,
+    v_offset,
+    heads,
+    D,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program a token: its K and V rows of every head to its slot, in one launch
+    (PyTorch's index_copy_ takes two, each walking elements)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    live = (h < heads) & (d < D)
+    dst = Pool + h.to(tl.int64) * head_stride + slot * D + d
+    tl.store(dst, tl.load(K + t * stride_kt + h * D + d, mask=live), mask=live)
+    tl.store(dst + v_offset, tl.load(V + t * stride_vt + h * D + d, mask=live), mask=live)
+
+
 def _rows(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.stride(1) == 1
 
@@ -202,3 +233,25 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
             num_warps=4,
         )  # fmt: skip
     return x
+
+
+def write_kv(layer_kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``ops.write_kv`` on CUDA: ``k``, ``v`` [T, heads, D] to flat ``slots`` [T] of
+    ``layer_kv`` [2, heads, pages, page_size, D]; False where the kernel does not take
+    them (the pool's torch path then does)."""
+    T, heads, D = k.shape
+    if (
+        not layer_kv.is_contiguous()
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+        or any(t.dtype != layer_kv.dtype or t.stride(2) != 1 or t.stride(1) != D for t in (k, v))
+    ):
+        return False
+    if T:
+        head_stride = layer_kv.shape[2] * layer_kv.shape[3] * D
+        write_kv_kernel[(T,)](
+            layer_kv, slots, k, v, k.stride(0), v.stride(0), head_stride, heads * head_stride,
+            heads, D, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4,
+        )  # fmt: skip
+    return True

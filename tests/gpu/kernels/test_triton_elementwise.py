@@ -17,6 +17,7 @@ DEVICE = enable()
 from actorlm.gpu.forward_meta import SeqSpec  # noqa: E402
 from actorlm.gpu.kernels import ops  # noqa: E402
 from actorlm.gpu.kernels.triton import elementwise as tk  # noqa: E402
+from actorlm.gpu.kv_pool import KVPool  # noqa: E402
 
 from ..helpers import Pages, make_runner  # noqa: E402
 from .test_ops import _hf_rms_norm  # noqa: E402
@@ -115,6 +116,32 @@ def test_rotate_halves_in_place_on_a_fused_qkv_view(
     assert tk.rotate_halves(view, cos.float(), sin.float()) is None or dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "dim", "page_size"), [(2, 64, 4), (3, 12, 1), (8, 128, 16)])
+def test_write_kv_stores_each_token_where_the_pools_torch_path_does(
+    dtype: torch.dtype, heads: int, dim: int, page_size: int
+) -> None:
+    """k and v as the attention layer hands them (strided views of a fused qkv buffer) to
+    scattered slots of one layer's pool, bit for bit as the pool's index_copy_ path; the
+    other slots and layers untouched."""
+    T, q_heads, pages = 5, 2 * heads, 6
+    pool = KVPool(2, pages, page_size, heads, dim, dtype, DEVICE)
+    pool.kv.copy_(_randn(*pool.kv.shape, seed=dim, dtype=dtype))
+    want = KVPool(2, pages, page_size, heads, dim, dtype, DEVICE)
+    want.kv.copy_(pool.kv)
+    qkv = _randn(T, (q_heads + 2 * heads) * dim, seed=heads, dtype=dtype)
+    k = qkv[:, q_heads * dim : (q_heads + heads) * dim].view(T, heads, dim)
+    v = qkv[:, (q_heads + heads) * dim :].view(T, heads, dim)
+    slots = torch.randperm(pages * page_size, generator=_gen(T))[:T].to(DEVICE)
+    want.k_slots(1).index_copy_(1, slots, k.transpose(0, 1))
+    want.v_slots(1).index_copy_(1, slots, v.transpose(0, 1))
+    assert tk.write_kv(pool.kv[1], slots, k, v)
+    assert torch.equal(pool.kv, want.kv)
+    assert tk.write_kv(pool.kv[1], slots[:0], k[:0], v[:0])  # an empty step stores nothing
+    assert not tk.write_kv(pool.kv[1], slots.int(), k, v)  # int32 slots: the torch path's
+    assert not tk.write_kv(pool.kv[1], slots, k.transpose(1, 2), v)  # nor a head-major k
+
+
 @pytest.mark.skipif(ops.native_ops() is None, reason="no C compiler here")
 def test_the_cuda_kernels_compute_what_the_cpu_kernels_do() -> None:
     """bf16, the same inputs through the Triton kernels (on DEVICE) and cpu_ops.c (on
@@ -170,6 +197,6 @@ def test_a_model_through_the_triton_kernels_matches_its_other_path(
 
     monkeypatch.setattr(ops, "_cuda", triton_always)
     got = runner.run([SeqSpec(prompt, 0, Pages(first=8).table("a", len(prompt)))])
-    assert len(calls) >= 4 * runner.info.num_layers  # two norms, SiLU-and-mul, RoPE a layer
+    assert len(calls) >= 5 * runner.info.num_layers  # two norms, SiLU-and-mul, RoPE, KV write
     tol = 1e-4 if dtype == "float32" else 3e-2
     assert (got - want).abs().max().item() < tol * want.abs().max().item()
