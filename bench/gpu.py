@@ -4,7 +4,8 @@ the device's physical limits measured in the same run.
 - limits: device copy bandwidth (a 4 GiB buffer copied: bytes read + written per second)
   and a large bf16 matmul's throughput (8192^3);
 - decode: the step time (forward, sampling, CUDA-graph replay where captured) at batch
-  1, 16, 64 and 256 over ``--context-len`` cached tokens per sequence, beside its bounds:
+  1, 16, 64 and 256 over ``--context-len`` cached tokens per sequence, the graph's replay
+  alone (the device's share, without the host's work between steps), beside its bounds:
   bandwidth (weights + the batch's K/V read once, over the copy bandwidth) and compute
   (2 x parameters x batch, plus attention, over the matmul throughput);
 - offline: ``--num-requests`` requests of ``--input-len`` tokens, ``--output-len`` out
@@ -167,11 +168,21 @@ def make_runner(
 
 
 def decode_step_s(
-    runner: Any, batch: int, context: int, steps: int, chunk: int, sync: Any, profile: Any = None
+    runner: Any,
+    batch: int,
+    context: int,
+    steps: int,
+    chunk: int,
+    sync: Any,
+    profile: Any = None,
+    replay: list[float] | None = None,
 ) -> float:
     """Prefill ``batch`` sequences of ``context`` tokens (a few per step), then time
     ``steps`` decode steps of the whole batch; seconds per step. With ``profile`` (a
-    callable taking a zero-argument function) the timed steps run once more under it."""
+    callable taking a zero-argument function) the timed steps run once more under it;
+    with ``replay`` (a list) and a graph for the batch, the seconds of its replay alone
+    (no host work between) are appended to it."""
+    from actorlm.gpu.forward_meta import SeqSpec
     from actorlm.messages.sampling import SamplingParams
     from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep
 
@@ -216,10 +227,22 @@ def decode_step_s(
     for s in range(steps):
         decode(context + 2 + s)  # each step ends in the sampled tokens' copy to the host
     dt = (time.perf_counter() - t0) / steps
+    if (
+        replay is not None
+        and runner.graphs is not None
+        and runner.graphs.can_run([SeqSpec([0], 0, [0])] * batch)
+    ):  # the same steps' graph alone, back to back: the device's share of a step
+        replay.append(_timed(lambda: runner.graphs.replay_again(batch), steps, _cuda()))
     if profile is not None:
         profile(lambda: [decode(context + 2 + steps + s) for s in range(steps)])
     forward([], release=rids)
     return dt
+
+
+def _cuda() -> Any:
+    import torch
+
+    return torch.device("cuda")
 
 
 def profile_kernels(label: str, out: Path) -> Any:
@@ -273,13 +296,16 @@ def run_decode(
         prof = None
         if b == args.profile_batch and device == "cuda":
             prof = profile_kernels(f"{backend or 'default'}-b{b}", Path(args.out))
+        replay: list[float] = []
         step_s = decode_step_s(
-            runner, b, args.context_len, args.decode_steps, args.max_prefill_tokens, sync, prof
-        )
+            runner, b, args.context_len, args.decode_steps, args.max_prefill_tokens, sync, prof,
+            replay,
+        )  # fmt: skip
         bound = bounds(runner.info, params, weight_bytes, b, args.context_len, lim)
         row = {
             "batch": b,
             "step_ms": step_s * 1e3,
+            "replay_ms": replay[0] * 1e3 if replay else None,
             "tokens_per_s": b / step_s,
             **bound,
             "over_bandwidth_bound": step_s * 1e3 / bound["bandwidth_bound_ms"],
@@ -339,13 +365,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"limits: copy bandwidth {lim['copy_bandwidth_gbs']:.0f} GB/s, "
         f"matmul {lim['matmul_tflops']:.0f} TFLOP/s",
         "",
-        "| backend | batch | step ms | tok/s | bandwidth bound ms | x bound | compute bound ms | % of matmul |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| backend | batch | step ms | replay ms | tok/s | bandwidth bound ms | x bound | compute bound ms | % of matmul |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for backend, rows in results["decode"].items():
         for r in rows:
+            replay = "-" if r.get("replay_ms") is None else f"{r['replay_ms']:.2f}"
             lines.append(
-                f"| {backend} | {r['batch']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"| {backend} | {r['batch']} | {r['step_ms']:.2f} | {replay} | {r['tokens_per_s']:.0f} | "
                 f"{r['bandwidth_bound_ms']:.2f} | {r['over_bandwidth_bound']:.2f}x | "
                 f"{r['compute_bound_ms']:.2f} | {100 * r['share_of_matmul']:.0f}% |"
             )

@@ -112,8 +112,9 @@ class CudaGraphRunner:
             self._copied.synchronize()  # the previous step's copy is done reading
         for row, values in enumerate((host.input_ids, host.positions, host.out_cache_loc)):
             self._staging[row, :bs] = values
-            # row by row: each slice is contiguous, so each copy runs straight from pinned memory
-            self._inputs[row, :bs].copy_(self._staging[row, :bs], non_blocking=True)
+        # one copy of the whole block (straight from pinned memory); the rows past ``bs``
+        # carry stale values that no graph of this size reads
+        self._inputs.copy_(self._staging, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         meta = ForwardMeta(
@@ -153,6 +154,16 @@ class CudaGraphRunner:
 
     def can_run(self, seqs: Sequence[SeqSpec]) -> bool:
         return graphable(seqs) and pick_size(len(seqs), self.sizes) in self._graphs
+
+    def replay_again(self, n: int) -> None:
+        """Replay the graph that runs ``n`` decodes on its buffers as they are, refilling
+        nothing (the last step's inputs again): what a step costs the device without
+        the host's share (``bench/gpu.py``'s replay column). It writes the last step's
+        K/V slots again, so call it before anything else writes there."""
+        bs = pick_size(n, self.sizes)
+        if bs is None or bs not in self._graphs:
+            raise ValueError(f"no graph runs {n} decodes")
+        self._graphs[bs].replay()
 
     def run(self, seqs: Sequence[SeqSpec]) -> torch.Tensor:
         """Logits [len(seqs), V] fp32, a copy (the graph's output buffer is reused)."""

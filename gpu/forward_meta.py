@@ -70,6 +70,22 @@ class ForwardMeta:
         layer_windows: Sequence[int] = (),
         logit_softcap: float = 0.0,
     ) -> ForwardMeta:
+        build = (
+            cls._build_decodes
+            if seqs and all(len(s.input_ids) == 1 for s in seqs)
+            else cls._build_ragged
+        )
+        return build(seqs, page_size, device, layer_windows, logit_softcap)
+
+    @classmethod
+    def _build_ragged(
+        cls,
+        seqs: Sequence[SeqSpec],
+        page_size: int,
+        device: torch.device | str,
+        layer_windows: Sequence[int],
+        logit_softcap: float,
+    ) -> ForwardMeta:
         # numpy for the index arithmetic: a Python loop per token costs ~1 µs each.
         ids: list[int] = []
         starts = [s.start_pos for s in seqs]
@@ -108,6 +124,48 @@ class ForwardMeta:
             page_size=page_size,
             max_seq_len=max_seq_len,
             seq_lens=[max(a + n, s.prompt_len) for a, n, s in zip(starts, lens, seqs, strict=True)],
+            layer_windows=tuple(layer_windows),
+            logit_softcap=logit_softcap,
+        )
+
+    @classmethod
+    def _build_decodes(
+        cls,
+        seqs: Sequence[SeqSpec],
+        page_size: int,
+        device: torch.device | str,
+        layer_windows: Sequence[int],
+        logit_softcap: float,
+    ) -> ForwardMeta:
+        """``build`` for a step of one token a sequence (every decode step, every CUDA
+        graph replay), in plain Python: numpy's per-call cost made ``build`` ~5 us a
+        sequence, ~1.3 ms of a batch-256 step; this is ~0.5 us."""
+        starts = [s.start_pos for s in seqs]
+        slots = []
+        for s, pos in zip(seqs, starts, strict=True):
+            page = pos // page_size
+            if len(s.page_ids) <= page:
+                raise ValueError(
+                    f"page table of {len(s.page_ids)} pages cannot hold {pos + 1} tokens"
+                )
+            slots.append(s.page_ids[page] * page_size + pos - page * page_size)
+        rows = list(range(len(seqs)))
+        return cls(
+            input_ids=torch.tensor([s.input_ids[0] for s in seqs], dtype=torch.long, device=device),
+            positions=torch.tensor(starts, dtype=torch.long, device=device),
+            out_cache_loc=torch.tensor(slots, dtype=torch.long, device=device),
+            sample_rows=torch.tensor(
+                [i for i, s in zip(rows, seqs, strict=True) if s.sample],
+                dtype=torch.long,
+                device=device,
+            ),
+            start_pos=starts,
+            extend_lens=[1] * len(seqs),
+            row_starts=rows,
+            page_tables=[list(s.page_ids) for s in seqs],
+            page_size=page_size,
+            max_seq_len=max(starts) + 1,
+            seq_lens=[max(a + 1, s.prompt_len) for a, s in zip(starts, seqs, strict=True)],
             layer_windows=tuple(layer_windows),
             logit_softcap=logit_softcap,
         )

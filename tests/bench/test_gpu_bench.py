@@ -52,7 +52,7 @@ def test_bounds_of_a_llama3_8b_decode_step(tmp_path: Path) -> None:
 
 def test_table_names_device_versions_and_targets() -> None:
     row = {
-        "batch": 1, "step_ms": 5.0, "tokens_per_s": 200.0, "bandwidth_bound_ms": 4.0,
+        "batch": 1, "step_ms": 5.0, "replay_ms": 4.5, "tokens_per_s": 200.0, "bandwidth_bound_ms": 4.0,
         "compute_bound_ms": 0.1, "over_bandwidth_bound": 1.25, "share_of_matmul": 0.02,
     }  # fmt: skip
     results = {
@@ -65,7 +65,9 @@ def test_table_names_device_versions_and_targets() -> None:
     }  # fmt: skip
     table = markdown(results)
     assert "H200 (sm 9.0)" in table and "triton 3.9.0, flashinfer 0.7.2" in table
-    assert "| triton | 1 | 5.00 | 200 | 4.00 | 1.25x | 0.10 | 2% |" in table
+    assert "| triton | 1 | 5.00 | 4.50 | 200 | 4.00 | 1.25x | 0.10 | 2% |" in table
+    results["decode"]["triton"] = [{**row, "replay_ms": None}]  # eager steps: no graph
+    assert "| triton | 1 | 5.00 | - | 200 |" in markdown(results)
     assert "| triton | 256 | 9000 | 45000 | 7.3 |" in table
     assert "within 1.3x" in table
 
