@@ -1,8 +1,9 @@
 /* GGUF's Q4_1 / Q8_0 blocks at load time, both ways. Dequantizing a file's blocks to
- * fp32 (as gguf.quants does), and finding a weight's blocks in its fp32 values in one
- * pass: the same arithmetic and checks as qgemm.py's NumPy path (which stays the
- * reference and the fallback), written straight into the kernel's row-interleaved
- * layout. NumPy's passes over a model's weights took ~6 s of every worker start on 2
+ * fp32 (as gguf.quants does), finding a weight's blocks in its fp32 values in one
+ * pass, and rounding any weight to blocks (``--quantization q8_0 / q4_1``): the same
+ * arithmetic and checks as qgemm.py's NumPy and torch paths (which stay the reference
+ * and the fallback), the found blocks written straight into the kernel's
+ * row-interleaved layout. NumPy's passes over a model's weights took ~6 s of every worker start on 2
  * busy cores; these take a fraction of a second.
  *
  * A block is accepted only when its values rebuild bit for bit from the codes and
@@ -161,4 +162,72 @@ void actorlm_dequant_q8_0(const uint8_t *raw, int64_t blocks, float *out, int th
         float *o = out + b * QK;
         for (int j = 0; j < QK; j++) o[j] = (float)(int8_t)blk[2 + j] * d;
     }
+}
+
+/* Rounding fp32 weights to blocks (``--quantization q8_0 / q4_1``), as qgemm.quantize's
+ * torch path and gguf.quants round them, bit for bit: Q8_0 d = max|w| / 127, codes
+ * w * (1 / d) rounded half away from zero; Q4_1 d = (max - min) / 15, m = min, codes
+ * trunc((w - m) * (1 / d) + 0.5) in 0..15; the scales stored as fp16 (to nearest even).
+ * ``values`` (or NULL) receives what the blocks encode, q * d (+ m) in fp32. Layouts as
+ * the torch path writes them: Q8_0 codes int8 [N, K/32, 32]; Q4_1 codes [N, K/32, 16],
+ * byte j = code 2j | code 2j+1 << 4; d16 and m16 fp16 bits [N, K/32]. Each product and
+ * sum rounds on its own, as torch's separate ops do (no fused multiply-add: the file is
+ * built with contraction off for this function). Returns 0 where a weight or a stored
+ * scale is not finite (the torch path's None), else 1. */
+__attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
+    int q4, const float *w, int64_t N, int64_t K, void *codes, uint16_t *d16, uint16_t *m16,
+    float *values, int threads) {
+    const int64_t nb = K / QK;
+    int ok = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(&& : ok)
+    for (int64_t r = 0; r < N; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *x = w + r * K + b * QK;
+            float lo = x[0], hi = x[0];
+            int finite = 1;
+            for (int j = 0; j < QK; j++) {
+                finite &= isfinite(x[j]) != 0;
+                lo = x[j] < lo ? x[j] : lo;
+                hi = x[j] > hi ? x[j] : hi;
+            }
+            const int64_t blk = r * nb + b;
+            float *v = values ? values + r * K + b * QK : NULL;
+            if (!q4) {
+                const float amax = hi > -lo ? hi : -lo;
+                const float d = amax / 127.f, id = d == 0.f ? 0.f : 1.f / d;
+                const _Float16 dh = (_Float16)d;
+                const float dq = (float)dh;
+                int8_t *q = (int8_t *)codes + blk * QK;
+                for (int j = 0; j < QK; j++) {
+                    const float y = x[j] * id, a = fabsf(y), f = truncf(a);
+                    const float half = truncf((a - f) * 2.f);
+                    const float code = copysignf(half + f, y);
+                    q[j] = (int8_t)code;
+                    if (v) v[j] = (code + 0.f) * dq;
+                }
+                memcpy(d16 + blk, &dh, 2);
+                ok = ok && finite && isfinite(dq);
+            } else {
+                const float d = (hi - lo) / 15.f, id = d == 0.f ? 0.f : 1.f / d;
+                const _Float16 dh = (_Float16)d, mh = (_Float16)lo;
+                const float dq = (float)dh, mq = (float)mh;
+                uint8_t *q = (uint8_t *)codes + blk * (QK / 2);
+                float c[QK];
+                for (int j = 0; j < QK; j++) {
+                    float t = truncf((x[j] - lo) * id + 0.5f);
+                    c[j] = t < 0.f ? 0.f : (t > 15.f ? 15.f : t);
+                    if (v) {
+                        const float p = c[j] * dq;
+                        v[j] = p + mq;
+                    }
+                }
+                for (int j = 0; j < QK / 2; j++)
+                    q[j] = (uint8_t)((uint8_t)c[2 * j] | (uint8_t)c[2 * j + 1] << 4);
+                memcpy(d16 + blk, &dh, 2);
+                memcpy(m16 + blk, &mh, 2);
+                ok = ok && finite && isfinite(dq) && isfinite(mq);
+            }
+        }
+    }
+    return ok;
 }

@@ -43,15 +43,29 @@ def _weight() -> torch.Tensor:
     return w
 
 
+# the C rounding (cpu_pack.c) where it builds, and torch's ops
+PATHS = [
+    pytest.param(
+        True,
+        id="native",
+        marks=pytest.mark.skipif(qgemm._pack_lib() is None, reason="no C compiler here"),
+    ),
+    pytest.param(False, id="torch"),
+]
+
+
+@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_rounding_is_llama_cpp_s_bit_for_bit(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rounding_is_llama_cpp_s_bit_for_bit(
+    kind: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import gguf
     from gguf.quants import dequantize, quantize
 
     monkeypatch.setattr(qgemm, "_QUANTIZE_ROWS", 16)  # rows in slices, the last one short
     w = _weight()
     values = torch.empty(40, 96)
-    packed = qgemm.quantize(w, kind, values)
+    packed = qgemm.quantize(w, kind, values, native=native)
     assert packed is not None and packed.kind == kind and packed.shape == (40, 96)
     # what dequantize gives, bit for bit (signs of zero too)
     assert torch.equal(values.view(torch.int32), packed.dequantize().view(torch.int32))
@@ -72,14 +86,41 @@ def test_rounding_is_llama_cpp_s_bit_for_bit(kind: str, monkeypatch: pytest.Monk
     assert err.max() > 0
 
 
-def test_what_cannot_be_blocks_is_refused() -> None:
-    assert qgemm.quantize(torch.randn(8, 48), "q8_0") is None  # K not whole blocks
-    w = torch.randn(8, 64)
-    w[2, 5] = float("inf")
-    assert qgemm.quantize(w, "q4_1") is None
-    assert qgemm.quantize(torch.full((4, 32), 1e9), "q8_0") is None  # the scale overflows fp16
+@pytest.mark.parametrize("native", PATHS)
+def test_what_cannot_be_blocks_is_refused(native: bool) -> None:
+    assert qgemm.quantize(torch.randn(8, 48), "q8_0", native=native) is None  # K not whole blocks
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        w = torch.randn(8, 64)
+        w[2, 5] = bad
+        assert qgemm.quantize(w, "q4_1", native=native) is None
+        assert qgemm.quantize(w, "q8_0", native=native) is None
+    big = torch.full((4, 32), 1e9)  # Q8_0's scale and Q4_1's minimum overflow fp16
+    assert qgemm.quantize(big, "q8_0", native=native) is None
+    assert qgemm.quantize(big, "q4_1", native=native) is None
     with pytest.raises(ValueError, match="known: q8_0, q4_1"):
-        qgemm.quantize(torch.randn(4, 32), "q5_0")
+        qgemm.quantize(torch.randn(4, 32), "q5_0", native=native)
+
+
+@pytest.mark.skipif(qgemm._pack_lib() is None, reason="no C compiler here")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_c_rounding_writes_what_the_torch_path_does(kind: str) -> None:
+    """Codes, fp16 scales and the encoded values, bit for bit, over magnitudes from
+    subnormal to large, in rows of both signs and blocks with a value exactly half a step."""
+    torch.manual_seed(1)
+    w = torch.randn(300, 256) * torch.logspace(-20, 3, 300)[:, None]
+    w[::7] = w[::7].abs()
+    w[1, :32] = torch.arange(32) * 0.5  # codes landing on halves
+    got_v, want_v = torch.empty_like(w), torch.empty_like(w)
+    got = qgemm.quantize(w, kind, got_v)
+    want = qgemm.quantize(w, kind, want_v, native=False)
+    assert got is not None and want is not None
+    assert torch.equal(got.q, want.q) and torch.equal(
+        got.d.view(torch.int16), want.d.view(torch.int16)
+    )
+    assert (got.m is None) == (want.m is None)
+    if got.m is not None:
+        assert torch.equal(got.m.view(torch.int16), want.m.view(torch.int16))
+    assert torch.equal(got_v.view(torch.int32), want_v.view(torch.int32))
 
 
 @pytest.mark.parametrize("kind", KINDS)
