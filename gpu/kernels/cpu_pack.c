@@ -3,8 +3,8 @@
  * pass, and rounding any weight to blocks (``--quantization q8_0 / q4_1``): the same
  * arithmetic and checks as qgemm.py's NumPy and torch paths (which stay the reference
  * and the fallback), the found blocks written straight into the kernel's
- * row-interleaved layout. NumPy's passes over a model's weights took ~6 s of every worker start on 2
- * busy cores; these take a fraction of a second.
+ * row-interleaved layout. NumPy's passes over a model's weights took ~6 s of every
+ * worker start on 2 busy cores; these take a fraction of a second.
  *
  * A block is accepted only when its values rebuild bit for bit from the codes and
  * fp16 scales found, so a weight of another format is refused (returns 0), never
@@ -171,12 +171,15 @@ void actorlm_dequant_q8_0(const uint8_t *raw, int64_t blocks, float *out, int th
  * ``values`` (or NULL) receives what the blocks encode, q * d (+ m) in fp32. Layouts as
  * the torch path writes them: Q8_0 codes int8 [N, K/32, 32]; Q4_1 codes [N, K/32, 16],
  * byte j = code 2j | code 2j+1 << 4; d16 and m16 fp16 bits [N, K/32]. Each product and
- * sum rounds on its own, as torch's separate ops do (no fused multiply-add: the file is
- * built with contraction off for this function). Returns 0 where a weight or a stored
+ * sum rounds on its own, as torch's separate ops do: no multiply-add is fused here
+ * (GCC's optimize attribute, clang's pragma). Returns 0 where a weight or a stored
  * scale is not finite (the torch path's None), else 1. */
 __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
     int q4, const float *w, int64_t N, int64_t K, void *codes, uint16_t *d16, uint16_t *m16,
     float *values, int threads) {
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
     const int64_t nb = K / QK;
     int ok = 1;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(&& : ok)
