@@ -4,6 +4,8 @@ that records how it ended (no extra packages)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["Stream", "get_text", "http", "wait_for_log"]
+__all__ = ["Stream", "get_text", "http", "stop", "wait_for_log"]
 
 
 def http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -26,6 +28,16 @@ def http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read() or b"{}")
     except OSError:
         return 0, {}
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """Stop a server as an operator would (SIGTERM), killing it if it hangs."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def get_text(url: str) -> tuple[int, str]:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from actorlm.actors.runtime.transport import free_port
 
-from tests.servers import Stream, get_text, http
+from tests.servers import Stream, get_text, http, stop
 from tests.test_serve import role_pids
 
 pytestmark = pytest.mark.timeout(600)
@@ -69,11 +69,7 @@ def server(
         s.wait_healthy()
         yield s
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_adapters_by_model_and_lora_path_and_in_the_model_list(server: LoraServer) -> None:

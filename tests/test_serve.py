@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from actorlm.actors.runtime.transport import free_port
 
-from tests.servers import Stream, get_text, http
+from tests.servers import Stream, get_text, http, stop
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -84,11 +84,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         s.baseline = s.greedy()
         yield s
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 @pytest.mark.parametrize("role", ["worker", "cache_manager", "scheduler", "tokenizer", "gateway"])

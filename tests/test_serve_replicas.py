@@ -21,7 +21,7 @@ import pytest
 from actorlm.actors.replicas import replica_members
 from actorlm.actors.runtime.transport import free_port
 
-from tests.servers import Stream, http
+from tests.servers import Stream, http, stop
 from tests.test_serve import PROMPT, Served, role_pids
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,11 +45,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         s.baseline = s.greedy()
         yield s
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def tokenizer_stat(served: Served, key: str) -> list[int]:

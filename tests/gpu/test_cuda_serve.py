@@ -5,7 +5,6 @@ transformers' on the same GPU and weights, in fp32."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 import torch
 from actorlm.actors.runtime.transport import free_port
 
-from tests.servers import http
+from tests.servers import http, stop
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,11 +44,7 @@ def cuda_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             time.sleep(0.2)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_concurrent_greedy_requests_match_transformers_on_the_gpu(
