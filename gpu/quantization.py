@@ -246,11 +246,12 @@ class BlockQuantMethod(LinearMethod):
         return torch.float32  # rounded from the checkpoint's exact values
 
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        rounded = torch.empty(weight.shape, dtype=torch.float32)
+        # the dense copy prompts read, written in the compute dtype as the blocks round
+        rounded = torch.empty(weight.shape, dtype=self.dtype)
         packed = qgemm.quantize(weight, self.kind, rounded)
         if packed is None:
             return _plain_linear(weight.to(self.dtype), bias)
-        return GGUFLinear(packed, bias, _plain_linear(rounded.to(self.dtype), bias))
+        return GGUFLinear(packed, bias, _plain_linear(rounded, bias))
 
 
 class Q8_0Method(BlockQuantMethod):

@@ -168,7 +168,8 @@ void actorlm_dequant_q8_0(const uint8_t *raw, int64_t blocks, float *out, int th
  * torch path and gguf.quants round them, bit for bit: Q8_0 d = max|w| / 127, codes
  * w * (1 / d) rounded half away from zero; Q4_1 d = (max - min) / 15, m = min, codes
  * trunc((w - m) * (1 / d) + 0.5) in 0..15; the scales stored as fp16 (to nearest even).
- * ``values`` (or NULL) receives what the blocks encode, q * d (+ m) in fp32. Layouts as
+ * ``values`` (or NULL) receives what the blocks encode, q * d (+ m) in fp32, or that
+ * rounded to bf16 (to nearest even, as torch converts) where ``values_bf16``. Layouts as
  * the torch path writes them: Q8_0 codes int8 [N, K/32, 32]; Q4_1 codes [N, K/32, 16],
  * byte j = code 2j | code 2j+1 << 4; d16 and m16 fp16 bits [N, K/32]. Each product and
  * sum rounds on its own, as torch's separate ops do: no multiply-add is fused here
@@ -176,7 +177,7 @@ void actorlm_dequant_q8_0(const uint8_t *raw, int64_t blocks, float *out, int th
  * scale is not finite (the torch path's None), else 1. */
 __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
     int q4, const float *w, int64_t N, int64_t K, void *codes, uint16_t *d16, uint16_t *m16,
-    float *values, int threads) {
+    void *values, int values_bf16, int threads) {
 #ifdef __clang__
 #pragma STDC FP_CONTRACT OFF
 #endif
@@ -194,7 +195,7 @@ __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
                 hi = x[j] > hi ? x[j] : hi;
             }
             const int64_t blk = r * nb + b;
-            float *v = values ? values + r * K + b * QK : NULL;
+            float v[QK]; /* the encoded values, stored below where asked for */
             if (!q4) {
                 const float amax = hi > -lo ? hi : -lo;
                 const float d = amax / 127.f, id = d == 0.f ? 0.f : 1.f / d;
@@ -206,7 +207,7 @@ __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
                     const float half = truncf((a - f) * 2.f);
                     const float code = copysignf(half + f, y);
                     q[j] = (int8_t)code;
-                    if (v) v[j] = (code + 0.f) * dq;
+                    v[j] = (code + 0.f) * dq;
                 }
                 memcpy(d16 + blk, &dh, 2);
                 ok = ok && finite && isfinite(dq);
@@ -219,16 +220,20 @@ __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
                 for (int j = 0; j < QK; j++) {
                     float t = truncf((x[j] - lo) * id + 0.5f);
                     c[j] = t < 0.f ? 0.f : (t > 15.f ? 15.f : t);
-                    if (v) {
-                        const float p = c[j] * dq;
-                        v[j] = p + mq;
-                    }
+                    const float p = c[j] * dq;
+                    v[j] = p + mq;
                 }
                 for (int j = 0; j < QK / 2; j++)
                     q[j] = (uint8_t)((uint8_t)c[2 * j] | (uint8_t)c[2 * j + 1] << 4);
                 memcpy(d16 + blk, &dh, 2);
                 memcpy(m16 + blk, &mh, 2);
                 ok = ok && finite && isfinite(dq) && isfinite(mq);
+            }
+            if (values && values_bf16) {
+                uint16_t *o = (uint16_t *)values + r * K + b * QK;
+                for (int j = 0; j < QK; j++) o[j] = f32_bf16(v[j]);
+            } else if (values) {
+                memcpy((float *)values + r * K + b * QK, v, sizeof v);
             }
         }
     }

@@ -185,15 +185,23 @@ def quantize(
     reference quantizer (and ``gguf.quants``) rounds them, bit for bit: Q8_0 ``d = max|w| /
     127``, codes ``roundf(w / d)``; Q4_1 ``d = (max - min) / 15``, ``m = min``, codes
     ``trunc((w - m) / d + 0.5)``; codes from the fp32 scales, which are then stored as
-    fp16. ``values`` (fp32 [N, K]), if given, receives the weight the blocks encode, as
-    ``PackedWeight.dequantize`` gives it. None where K is not a multiple of 32, or a
-    weight or scale is not finite. ``cpu_pack.c`` rounds where it builds (~10x faster,
-    the same bits), torch's ops elsewhere or with ``native=False``."""
+    fp16. ``values`` ([N, K], contiguous), if given, receives the weight the blocks
+    encode, as ``PackedWeight.dequantize`` gives it: fp32, or that ``.to(torch.bfloat16)``
+    in a bf16 tensor (a bf16 model's dense copy, without an fp32 one). None where K is
+    not a multiple of 32, or a weight or scale is not finite. ``cpu_pack.c`` rounds
+    where it builds (the same bits, ~3x faster a core and on every core), torch's ops
+    elsewhere or with ``native=False``."""
     if weight.dim() != 2 or weight.shape[1] % QK or weight.numel() == 0:
         return None
     if kind not in ("q8_0", "q4_1"):
         raise ValueError(f"block format {kind!r} unknown; known: q8_0, q4_1")
     n, k = weight.shape
+    if values is not None and (
+        values.shape != weight.shape
+        or values.dtype not in (torch.float32, torch.bfloat16)
+        or not values.is_contiguous()
+    ):
+        raise ValueError("quantize: values must be a contiguous fp32 or bf16 [N, K] tensor")
     q4 = kind == "q4_1"
     codes = torch.empty(n, k // QK, QK // 2 if q4 else QK, dtype=torch.uint8 if q4 else torch.int8)
     d16 = torch.empty(n, k // QK, dtype=torch.float16)
@@ -207,8 +215,11 @@ def quantize(
         m_rows = None if m16 is None else m16[r0:]
         if lib is not None:
             done = _round_rows_native(lib, q4, w, codes[r0:], d16[r0:], m_rows, out)
-        else:
-            done = _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m_rows, out)
+        else:  # torch's ops compute the values in fp32; bf16 ones are that, converted
+            fp32 = out if out is None or out.dtype == torch.float32 else torch.empty(out.shape)
+            done = _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m_rows, fp32)
+            if done and out is not None and fp32 is not out:
+                out.copy_(fp32)
         if not done:
             return None
     parts = [torch.from_numpy(_groups(t.numpy())) for t in (codes, d16)]
@@ -270,15 +281,16 @@ def _round_rows_native(
     values: torch.Tensor | None,
 ) -> bool:
     """``_round_rows`` by ``cpu_pack.c``: ``w`` [R, K] fp32, contiguous; the outputs'
-    first R rows (each contiguous, as ``quantize`` allocates them)."""
+    first R rows (each contiguous, as ``quantize`` allocates and checks them); ``values``
+    fp32 or bf16."""
     n, k = w.shape
-    if values is not None and not values.is_contiguous():
-        raise ValueError("quantize: values must be contiguous")
     return bool(
         lib.actorlm_quantize_blocks(
             int(q4), w.data_ptr(), n, k, codes.data_ptr(), d16.data_ptr(),
             None if m16 is None else m16.data_ptr(),
-            None if values is None else values.data_ptr(), len(os.sched_getaffinity(0)),
+            None if values is None else values.data_ptr(),
+            int(values is not None and values.dtype == torch.bfloat16),
+            len(os.sched_getaffinity(0)),
         )
     )  # fmt: skip
 
@@ -289,7 +301,7 @@ def _pack_lib() -> Any | None:
     if lib is not None:
         lib.actorlm_find_blocks.argtypes = [_T, _P, _I, _I, _P, _P, _P, _T]
         lib.actorlm_find_blocks.restype = ctypes.c_int
-        lib.actorlm_quantize_blocks.argtypes = [_T, _P, _I, _I, _P, _P, _P, _P, _T]
+        lib.actorlm_quantize_blocks.argtypes = [_T, _P, _I, _I, _P, _P, _P, _P, _T, _T]
         lib.actorlm_quantize_blocks.restype = ctypes.c_int
         for name in ("actorlm_dequant_q4_1", "actorlm_dequant_q8_0"):
             getattr(lib, name).argtypes = [_P, _I, _P, _T]

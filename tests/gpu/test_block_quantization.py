@@ -101,6 +101,23 @@ def test_what_cannot_be_blocks_is_refused(native: bool) -> None:
         qgemm.quantize(torch.randn(4, 32), "q5_0", native=native)
 
 
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_values_in_bf16_are_the_fp32_values_converted(kind: str, native: bool) -> None:
+    """A bf16 model's dense copy written straight in bf16: what ``.to(torch.bfloat16)``
+    of the fp32 values gives, bit for bit (nearest even), and the same blocks."""
+    w = _weight() * 7
+    fp32, bf16 = torch.empty(40, 96), torch.empty(40, 96, dtype=torch.bfloat16)
+    a = qgemm.quantize(w, kind, fp32, native=native)
+    b = qgemm.quantize(w, kind, bf16, native=native)
+    assert a is not None and b is not None and torch.equal(a.q, b.q)
+    assert torch.equal(bf16.view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(ValueError, match="contiguous fp32 or bf16"):
+        qgemm.quantize(w, kind, torch.empty(40, 96, dtype=torch.float16), native=native)
+    with pytest.raises(ValueError, match="contiguous fp32 or bf16"):
+        qgemm.quantize(w, kind, torch.empty(96, 40).t(), native=native)
+
+
 @pytest.mark.skipif(qgemm._pack_lib() is None, reason="no C compiler here")
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_c_rounding_writes_what_the_torch_path_does(kind: str) -> None:
