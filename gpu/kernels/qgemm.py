@@ -218,7 +218,7 @@ def quantize(
         else:  # torch's ops compute the values in fp32; bf16 ones are that, converted
             fp32 = out if out is None or out.dtype == torch.float32 else torch.empty(out.shape)
             done = _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m_rows, fp32)
-            if done and out is not None and fp32 is not out:
+            if done and out is not None and fp32 is not None and fp32 is not out:
                 out.copy_(fp32)
         if not done:
             return None
