@@ -194,6 +194,10 @@ __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
                 lo = x[j] < lo ? x[j] : lo;
                 hi = x[j] > hi ? x[j] : hi;
             }
+            if (!finite) { /* refused: nothing of it is read (and NaN has no code) */
+                ok = 0;
+                continue;
+            }
             const int64_t blk = r * nb + b;
             float v[QK]; /* the encoded values, stored below where asked for */
             if (!q4) {
@@ -210,7 +214,7 @@ __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
                     v[j] = (code + 0.f) * dq;
                 }
                 memcpy(d16 + blk, &dh, 2);
-                ok = ok && finite && isfinite(dq);
+                ok = ok && isfinite(dq);
             } else {
                 const float d = (hi - lo) / 15.f, id = d == 0.f ? 0.f : 1.f / d;
                 const _Float16 dh = (_Float16)d, mh = (_Float16)lo;
@@ -219,7 +223,7 @@ __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
                 float c[QK];
                 for (int j = 0; j < QK; j++) {
                     float t = truncf((x[j] - lo) * id + 0.5f);
-                    c[j] = t < 0.f ? 0.f : (t > 15.f ? 15.f : t);
+                    c[j] = t > 0.f ? (t < 15.f ? t : 15.f) : 0.f; /* NaN (inf - inf): 0 */
                     const float p = c[j] * dq;
                     v[j] = p + mq;
                 }
@@ -227,7 +231,7 @@ __attribute__((optimize("O3", "fp-contract=off"))) int actorlm_quantize_blocks(
                     q[j] = (uint8_t)((uint8_t)c[2 * j] | (uint8_t)c[2 * j + 1] << 4);
                 memcpy(d16 + blk, &dh, 2);
                 memcpy(m16 + blk, &mh, 2);
-                ok = ok && finite && isfinite(dq) && isfinite(mq);
+                ok = ok && isfinite(dq) && isfinite(mq);
             }
             if (values && values_bf16) {
                 uint16_t *o = (uint16_t *)values + r * K + b * QK;

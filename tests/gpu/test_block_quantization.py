@@ -97,6 +97,10 @@ def test_what_cannot_be_blocks_is_refused(native: bool) -> None:
     big = torch.full((4, 32), 1e9)  # Q8_0's scale and Q4_1's minimum overflow fp16
     assert qgemm.quantize(big, "q8_0", native=native) is None
     assert qgemm.quantize(big, "q4_1", native=native) is None
+    wide = torch.randn(4, 32)
+    wide[1, :2] = torch.tensor([3e38, -3e38])  # finite, but max - min overflows fp32
+    assert qgemm.quantize(wide, "q4_1", native=native) is None
+    assert qgemm.quantize(wide, "q8_0", native=native) is None
     with pytest.raises(ValueError, match="known: q8_0, q4_1"):
         qgemm.quantize(torch.randn(4, 32), "q5_0", native=native)
 
