@@ -232,17 +232,11 @@ def decode_step_s(
         and runner.graphs is not None
         and runner.graphs.can_run([SeqSpec([0], 0, [0])] * batch)
     ):  # the same steps' graph alone, back to back: the device's share of a step
-        replay.append(_timed(lambda: runner.graphs.replay_again(batch), steps, _cuda()))
+        replay.append(_timed(lambda: runner.graphs.replay_again(batch), steps, runner.device))
     if profile is not None:
         profile(lambda: [decode(context + 2 + steps + s) for s in range(steps)])
     forward([], release=rids)
     return dt
-
-
-def _cuda() -> Any:
-    import torch
-
-    return torch.device("cuda")
 
 
 def profile_kernels(label: str, out: Path) -> Any:

@@ -215,11 +215,8 @@ def quantize(
         m_rows = None if m16 is None else m16[r0:]
         if lib is not None:
             done = _round_rows_native(lib, q4, w, codes[r0:], d16[r0:], m_rows, out)
-        else:  # torch's ops compute the values in fp32; bf16 ones are that, converted
-            fp32 = out if out is None or out.dtype == torch.float32 else torch.empty(out.shape)
-            done = _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m_rows, fp32)
-            if done and out is not None and fp32 is not None and fp32 is not out:
-                out.copy_(fp32)
+        else:
+            done = _round_rows(w.reshape(w.shape[0], -1, QK), codes[r0:], d16[r0:], m_rows, out)
         if not done:
             return None
     parts = [torch.from_numpy(_groups(t.numpy())) for t in (codes, d16)]
@@ -238,8 +235,8 @@ def _round_rows(
     values: torch.Tensor | None,
 ) -> bool:
     """``quantize`` for one slice of rows [R, K/32, 32] (fp32) into the first R rows of
-    ``codes``, ``d16`` (and ``m16``: Q4_1) and ``values`` [R, K/32, 32]; False where a
-    weight or scale is not finite."""
+    ``codes``, ``d16`` (and ``m16``: Q4_1) and ``values`` [R, K/32, 32] (fp32 or bf16);
+    False where a weight or scale is not finite."""
     rows = blocks.shape[0]
     # inf, NaN: the block's too (amax and amin: ~2x torch's aminmax over rows of 32)
     lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
@@ -259,10 +256,11 @@ def _round_rows(
         codes[:rows] = q8[..., 0::2] | (q8[..., 1::2] << 4)
         m16[:rows] = lo[..., 0]
     d16[:rows] = d[..., 0]
-    if values is not None:  # dequantize's arithmetic: q * d, then + m
-        torch.mul(q, d16[:rows, :, None].float(), out=values)
+    if values is not None:  # dequantize's arithmetic in fp32: q * d, then + m
+        v = q * d16[:rows, :, None].float()
         if m16 is not None:
-            values += m16[:rows, :, None].float()
+            v += m16[:rows, :, None].float()
+        values.copy_(v)  # fp32, or converted to bf16
     ok = bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())
     return (
         ok
