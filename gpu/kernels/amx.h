@@ -72,7 +72,7 @@ static int amx_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs
     for (int64_t g = g0; g < g1; g++) {
         for (int64_t b0 = 0; b0 < nb; b0 += per) {
             const int64_t nbc = nb - b0 < per ? nb - b0 : per;
-            dp_expand(q4, q, nb, g, b0, nbc, wb);
+            dp_expand(q4, q, d, mn, nb, g, b0, nbc, wb);
             for (int64_t b = 0; b < nbc; b++) {
                 const uint16_t *xa = xb + (b0 + b) * QK;
                 float *pb = part + b * Mp * GROUP;

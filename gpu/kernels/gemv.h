@@ -16,7 +16,7 @@
  *     build 8 (each half of a group in turn, the second from L1), lane by lane in the
  *     same order: their results are equal bit for bit.
  *
- * Builds with AVX512-BF16 take block weights at 9 rows or more through dpbf16.h's
+ * Builds with AVX512-BF16 take block weights at 5 rows or more through dpbf16.h's
  * bf16 dot products instead, where the linear allows x to round to bf16 (`act_bf16`),
  * and builds with AMX through amx.h's tiles over the same expanded blocks (from 41
  * rows, over the weights rounded to bf16).
@@ -246,9 +246,8 @@ static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, i
 #endif
 #if defined(__AVX512BF16__)
     /* bf16 dot products over blocks expanded once a call (Zen 5, one core: 1.4x the
-       fp32 tiles at 16 rows, 1.6x at 32). At 6-8 rows one linear alone runs ~1.2x,
-       but a whole decode step on two threads measured slower: each call's rounding
-       of x and the expansion weigh more on the step's short column ranges. */
+       fp32 tiles at 16 rows, 1.6x at 32; a decode step of the default model on a
+       2-core Zen 4: 1.1x at 6 rows, 1.15x at 8, once the expansion fetched ahead) */
     if (L->act_bf16 && M >= DP_MIN_ROWS && dp_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
 #endif
     const int q4 = L->kind == LIN_Q4_1;

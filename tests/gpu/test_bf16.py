@@ -9,7 +9,10 @@ decode with fp32 arithmetic over bf16 weights and KV (or the GGUF's exact blocks
 - prefill logits within 3% of scale of transformers bf16;
 - decode logits, fed transformers' greedy tokens, within 5% of scale of its bf16 ones,
   and the same argmax at every step where its top two differ by more than 2% of scale;
-- no farther from fp32 transformers than its bf16 model is, within 1.5x.
+- no farther from fp32 transformers than its bf16 model is: over the steps, on average
+  within 1.25x, and the worst step within 2x of its worst. One step's worst logit is a
+  noisy measure: six random tiny models through the model's layers on a 2-core Zen 4
+  gave 0.73-1.64x transformers' worst step, with the averages 0.84-1.05x.
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def check(
     with torch.inference_mode():
         ref = fp32(input_ids=torch.tensor([prompt + tokens[:-1]])).logits
     ref = ref[0, len(prompt) - 1 :].float()
-    ours, theirs = (got - ref).abs().max().item(), (want - ref).abs().max().item()
-    assert ours <= 1.5 * theirs, (ours, theirs)
+    ours, theirs = (got - ref).abs().max(-1).values, (want - ref).abs().max(-1).values
+    assert ours.mean() <= 1.25 * theirs.mean(), (ours.tolist(), theirs.tolist())
+    assert ours.max() <= 2 * theirs.max(), (ours.tolist(), theirs.tolist())
 
 
 PROMPT = list(range(100, 141))
