@@ -11,12 +11,12 @@ with 1,000-token contexts a decode step of the default model went from ~95 to ~6
 A sliding window starts each sequence's keys at its window inside the first page
 the window touches. A bf16 pool decodes through ``cpu_step.c``'s kernel of the
 same shape (``attend.h``: K and V widened as read, q and the output through fp32),
-and its prompts through ``cpu_prefill.c`` (on AMX tiles where the CPU has them,
-``flash_amx.h``; head sizes those tiles do not take run torch's flash attention there,
-``torch_prompts_faster``); that decode kernel also takes windows and
-soft-capped scores, over bf16 or fp32 pages, so capped decodes of either pool run it
-(Gemma 2's decodes at batch 32 spent ~1.5 ms a layer in the torch path's gather, cap
-and softmax). Anything the kernels do not cover (other dtypes or devices, no C
+and its prompts through ``cpu_prefill.c`` (bf16 products where the CPU has them,
+``flash.h``: on AMX tiles, or AVX512-BF16's dot products; on AMX CPUs head sizes the
+tiles do not take run torch's flash attention, ``torch_prompts_faster``); that
+decode kernel also takes windows and soft-capped scores, over bf16 or fp32 pages, so
+capped decodes of either pool run it (Gemma 2's decodes at batch 32 spent ~1.5 ms
+a layer in the torch path's gather, cap and softmax). Anything the kernels do not cover (other dtypes or devices, no C
 compiler, windowed or capped prompts) takes the torch path. (Decode-only steps of small batches skip the backend altogether:
 the fused step, ``gpu/fused_decode.py``, attends inside its one native call.)
 """

@@ -12,6 +12,11 @@
  * extension are the same case: token t (at position start + t) sees positions
  * [0, start + t].
  *
+ * Builds with AVX512-BF16 run bf16 prompts (all of q, the pool and out bf16) through
+ * flash.h's bf16 products instead: on AMX tiles where the CPU has them, else on its
+ * dot products (a 512-token prompt of the default model, 2-core Zen 4: the whole
+ * prefill from ~400 to ~320 ms, its attention ~4x faster).
+ *
  * Built by actorlm/gpu/kernels/native.py; gpu/kernels/attention.py binds it and the
  * cpu attention backend calls it.
  */
@@ -21,8 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
-#if defined(__AMX_BF16__)
-#include "flash_amx.h"
+#if defined(__AVX512BF16__)
+#include "flash.h"
 #endif
 
 #define QB 64   /* query tokens a task: K's transpose serves G * QB rows */
@@ -172,10 +177,10 @@ int actorlm_paged_prefill(const void *q, int64_t q_row, int64_t q_bf16, const vo
                           int64_t page_size, float scale, void *out, int64_t out_row,
                           int64_t out_bf16, int threads) {
     if (D % 16 || D > DMAX) return -1;
-#if defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
     if (q_bf16 && kv_bf16 && out_bf16 &&
-        fa_amx_prefill(q, q_row, k, v, num_pages, pages, start, n, Hkv, G, D, page_size, scale,
-                       out, out_row, threads) == 0)
+        fa_prefill(q, q_row, k, v, num_pages, pages, start, n, Hkv, G, D, page_size, scale, out,
+                   out_row, threads) == 0)
         return 0;
 #endif
     const int64_t head_bytes = num_pages * page_size * D * (kv_bf16 ? 2 : 4);
@@ -205,7 +210,7 @@ int actorlm_paged_prefill(const void *q, int64_t q_row, int64_t q_bf16, const vo
 }
 
 /* 1 where this build runs bf16 prompts of head sizes that are multiples of 64 on AMX
-   tiles (flash_amx.h: the CPU has them and the kernel granted their state), else 0. */
+   tiles (flash.h, flash_amx.h: the CPU has them and the kernel granted their state), else 0. */
 int actorlm_prefill_tiles(void) {
 #if defined(__AMX_BF16__)
     return amx_ready();

@@ -33,8 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include "attend.h"
-#if defined(__AMX_BF16__)
-#include "flash_amx.h"
+#if defined(__AVX512BF16__)
+#include "flash.h"
 #endif
 #include "gemv.h"
 #include "lora.h"
@@ -178,9 +178,9 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
     if (out) attend_task(M, l, b, h, qkv, qkv_n, pages, seq_len, scores, acc, out);
 }
 
-#if defined(__AMX_BF16__)
-/* Fewer rows of a sequence attend a row at a time: the tiles' packing of K and V costs
-   more than their re-reads (2 / 4 new tokens over 1,104 cached: 10.4 / 11.8 ms a step
+#if defined(__AVX512BF16__)
+/* Fewer rows of a sequence attend a row at a time: the packing of K and V costs more
+   than their re-reads (AMX: 2 / 4 new tokens over 1,104 cached: 10.4 / 11.8 ms a step
    on tiles, 8.6 / 10.9 a row at a time; level at 8) */
 #define FLASH_MIN_ROWS 8
 
@@ -196,7 +196,7 @@ static inline int64_t seq_parts(const int64_t *head_rows, int64_t i, int nt) {
 }
 
 /* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
-   over a bf16 pool, on AMX tiles as prompts run (flash_amx.h): K and V are read once a
+   over a bf16 pool, on bf16 products as prompts run (flash.h): K and V are read once a
    block for all the rows, where attend_task reads them once a row. q16, o16: the
    thread's scratch of n * G * D each. 0, or -1 (nothing written: no scratch). */
 static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
@@ -215,11 +215,12 @@ static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_
     const int64_t head_elems = M->num_pages * M->page_size * D;
     const uint16_t *kh = (const uint16_t *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems;
     const uint16_t *vh = (const uint16_t *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems;
-    amx_configure_tiles(6);
+    const int tiles = fa_tiles(D);
+    fa_tiles_on(tiles);
     for (int64_t t0 = 0; t0 < n; t0 += FA_QB)
         fa_task(q16, GD, kh, vh, pages, start, t0, t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D,
-                M->page_size, (float)M->scale, o16, GD, &sc);
-    _tile_release();
+                M->page_size, (float)M->scale, o16, GD, &sc, tiles);
+    fa_tiles_off(tiles);
     for (int64_t t = 0; t < n; t++) {
         float *o = attn + (r0 + t) * HD + h * GD;
         for (int64_t j = 0; j < GD; j++) o[j] = bf16_f32(o16[t * GD + j]);
@@ -260,7 +261,7 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
  * row_slots [B] each row's adapter slot (< 0: the base model), or NULL: no adapters.
  * Rows may be consecutive tokens of one sequence (a short prompt, or the new tokens
  * over a cached prefix): with `store_first` every row's K and V go to the pool before
- * any row attends (2: a sequence's rows attend together on AMX tiles where the build has
+ * any row attends (2: a sequence's rows attend together on bf16 products where the build has
  * them). head_rows [n_head] (ascending), or NULL: the rows that get logits [n_head,
  * vocab] (each sequence's last), or all B.
  * Returns 0, or -1 when scratch memory could not be allocated.
@@ -275,9 +276,9 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int64_t qkv_n = (H + 2 * Hkv) * D;
     const float eps = (float)M->eps;
     const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
-#if defined(__AMX_BF16__)
-    /* rows of one sequence over a bf16 pool attend on tiles, as prompts do */
-    const int tiles = store_first == 2 && M->kv_bf16 && D % 64 == 0 && amx_ready();
+#if defined(__AVX512BF16__)
+    /* rows of one sequence over a bf16 pool attend together, as prompts do */
+    const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
 #endif
     if (R > LORA_MAX_RANK) return -1;
     /* shared between the threads: each phase's output (and the adapters' shrinks) */
@@ -345,8 +346,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 }
                 if (store_first) { /* every row's key is in the pool: now they attend */
                     team_wait(&team, nt, &phase);
-#if defined(__AMX_BF16__)
-                    if (tiles) { /* a task a (sequence, KV head, part of its rows): a
+#if defined(__AVX512BF16__)
+                    if (flash) { /* a task a (sequence, KV head, part of its rows): a
                                     sequence of FLASH_SPLIT_ROWS or more rows in nt parts
                                     (a row's sums do not depend on its tile's other rows);
                                     sequence i ends at row head_rows[i] */

@@ -156,9 +156,9 @@ class DecodeStep:
         self._fn = lib.actorlm_decode_step
         self.weights = weights
         self.kv_bf16 = kv.dtype == torch.bfloat16
-        # a sequence's 8 or more new rows attend together on AMX tiles (the builds with
-        # them, a bf16 pool, head sizes of 64s); False: a row at a time
-        self.extend_tiles = True
+        # a sequence's 8 or more new rows attend together on bf16 products (flash.h: the
+        # builds with AVX512-BF16, a bf16 pool, head sizes of 32s); False: a row at a time
+        self.extend_flash = True
         self.vocab = weights.head.n
         norms = [(_f32(x.in_norm), _f32(x.post_norm)) for x in weights.layers]
         final = _f32(weights.final_norm)
@@ -249,7 +249,7 @@ class DecodeStep:
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
             int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
-            (2 if self.extend_tiles else 1) if heads is not None else 0, heads, n_head,
+            (2 if self.extend_flash else 1) if heads is not None else 0, heads, n_head,
             threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

@@ -16,6 +16,7 @@ import torch
 from actorlm.gpu.attention.torch_native import TorchNativeBackend
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.fused_decode import FusedDecoder, ThreadChooser
+from actorlm.gpu.kernels import native
 from actorlm.gpu.kernels.step import native_step
 from actorlm.gpu.quantization import fbgemm_available
 from actorlm.gpu.runner import ModelRunner
@@ -149,19 +150,22 @@ def test_short_prompts_and_extensions_of_a_cached_prefix(tiny_llama: Path) -> No
         assert (got - want).abs().max().item() < TOL, i
 
 
-def test_extensions_attend_on_tiles_over_a_bf16_pool(
+def test_extensions_attend_together_over_a_bf16_pool(
     tiny_model_factory: Callable[..., Path],
 ) -> None:
-    """Over a bf16 pool on a CPU with AMX tiles, a sequence's 8 or more new tokens attend
-    together as prompts do (flash_amx.h), beside decodes, and give what they give a row
-    at a time within bf16 rounding (the tiles round q, the probabilities and the output
-    to bf16; a step of 5 or more rows rounds the o projection's input to bf16 too)."""
+    """Over a bf16 pool, in the builds with AVX512-BF16, a sequence's 8 or more new
+    tokens attend together as prompts do (flash.h: on AMX tiles where granted, else dot
+    products), beside decodes, and give what they give a row at a time within bf16
+    rounding (q, the probabilities and the output round to bf16; a step of 5 or more
+    rows rounds the o projection's input to bf16 too)."""
     path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
     runner = make_runner(path, dtype="bfloat16")
     fused = runner.fused
     assert fused is not None
-    if fused.max_new != FusedDecoder.MAX_NEW:
-        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    level = fused.isa or native.best_isa().name
+    if level not in ("avx512bf16", "amx"):
+        pytest.skip(f"the {level} build attends a row at a time")
+    fused.max_new = FusedDecoder.MAX_NEW  # 32 rows of a sequence, with tiles or without
     pages = list(range(runner.pool.num_pages))
     random.Random(7).shuffle(pages)
     a, b, c = pages[:60], pages[60:80], pages[80:82]
@@ -176,13 +180,14 @@ def test_extensions_attend_on_tiles_over_a_bf16_pool(
     for i, step in enumerate(steps):
         assert fused.accepts(step)
         before = runner.pool.kv.clone()
-        fused.step.extend_tiles = False
+        fused.step.extend_flash = False
         rowwise = runner.run(step)
         runner.pool.kv.copy_(before)
-        fused.step.extend_tiles = True
-        tiles = runner.run(step)
+        fused.step.extend_flash = True
+        together = runner.run(step)
         scale = rowwise.abs().max().item()
-        assert (tiles - rowwise).abs().max().item() <= 0.03 * scale, i  # seen: <= 1.7%
+        assert (together - rowwise).abs().max().item() <= 0.03 * scale, i  # seen: <= 1.7%
+        assert not torch.equal(together, rowwise), i  # the rows did attend together
 
 
 def test_mha(tiny_model_factory: Callable[..., Path]) -> None:
