@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 _SPECS: dict[type, Callable[[Any], StepWeights | None]] = {}
 
+# the kernel builds whose fused step attends a sequence's rows together (flash.h)
+_BF16_LEVELS = frozenset({"avx512bf16", "amx"})
+
 
 def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> None:
     """Let ``model_cls`` (exactly) decode through the fused step, described by ``fn``."""
@@ -163,15 +166,18 @@ class FusedDecoder:
     prompts and extensions of a cached prefix (``max_new`` tokens), a row a token."""
 
     # A sequence's new tokens the step takes, a row each. Over a bf16 pool on a CPU with
-    # AMX tiles, a sequence's rows (8 or more) attend together as prompts do
-    # (flash_amx.h: K and V read once a block of rows) and the linears' tiles sum over
-    # whole weights from 41 rows (amx.h); elsewhere each row reads its whole context,
-    # and past 16 rows that costs what the model's forward does. Default model, bf16,
-    # over 1,104 cached tokens, 2-core Xeon (bench/extend.py), fused step against the
-    # model: 32 tokens 17.2 against 24.2 ms, 64 tokens 26.0 against 37.2, 128 tokens
-    # 41.7 against 51.9, 192 tokens 62.1 against 66.3, 256 tokens 82.2 against 79.0; a
-    # row each: 16 tokens 15.9 against 18.1, 32 tokens 28.3 against 28.9.
+    # AVX512-BF16, a sequence's rows (8 or more) attend together as prompts do (flash.h:
+    # K and V read once a block of rows, bf16 products); with AMX tiles the linears' tiles
+    # also sum over whole weights from 41 rows (amx.h); elsewhere each row reads its whole
+    # context, and past 16 rows that costs what the model's forward does. Default model,
+    # bf16, over 1,104 cached tokens (bench/extend.py), fused step against the model:
+    # 2-core Xeon, tiles: 32 tokens 17.2 against 24.2 ms, 64 tokens 26.0 against 37.2,
+    # 128 tokens 41.7 against 51.9, 192 tokens 62.1 against 66.3, 256 tokens 82.2 against
+    # 79.0; a row each: 16 tokens 15.9 against 18.1, 32 tokens 28.3 against 28.9. 2-core
+    # Zen 4, dot products: 16 tokens 20.1 against 29.5, 32 tokens 33.0 against 43.9, 64
+    # tokens 66.2 against 66.2.
     MAX_NEW: ClassVar[int] = 128  # rows of one sequence on tiles
+    MAX_NEW_DOTS: ClassVar[int] = 32  # on AVX512-BF16's dot products
     MAX_NEW_ROWWISE: ClassVar[int] = 16
     # Rows a step by default (``fused_decode_max_batch`` -1): on tiles as above, decodes
     # of 48 / 64 / 128 sequences ran 1.34 / 1.33 / 1.18x the model's forward (level at
@@ -188,7 +194,10 @@ class FusedDecoder:
         self.page_size = page_size
         self.isa = level
         tiles = step.kv_bf16 and step.weights.head_dim % 64 == 0 and prefill_tiles(level)
-        self.max_new = self.MAX_NEW if tiles else self.MAX_NEW_ROWWISE
+        dots = step.kv_bf16 and step.weights.head_dim % 32 == 0 and level in _BF16_LEVELS
+        self.max_new = (
+            self.MAX_NEW if tiles else self.MAX_NEW_DOTS if dots else self.MAX_NEW_ROWWISE
+        )
         if max_batch < 0:
             max_batch = self.MAX_BATCH_TILES if tiles else self.MAX_BATCH
         self.max_batch = max_batch

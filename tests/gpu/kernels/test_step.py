@@ -165,7 +165,8 @@ def test_extensions_attend_together_over_a_bf16_pool(
     level = fused.isa or native.best_isa().name
     if level not in ("avx512bf16", "amx"):
         pytest.skip(f"the {level} build attends a row at a time")
-    fused.max_new = FusedDecoder.MAX_NEW  # 32 rows of a sequence, with tiles or without
+    tiles = fused.max_new == FusedDecoder.MAX_NEW
+    assert tiles or fused.max_new == FusedDecoder.MAX_NEW_DOTS == 32
     pages = list(range(runner.pool.num_pages))
     random.Random(7).shuffle(pages)
     a, b, c = pages[:60], pages[60:80], pages[80:82]
