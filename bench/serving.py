@@ -41,13 +41,21 @@ from bench.serving_report import markdown_table, plot_results  # noqa: E402
 from bench.workloads import (  # noqa: E402
     DATASETS,
     BenchRequest,
+    Workload,
     WorkloadParams,
     build_workload,
     load_tokenizer,
     parse_range,
 )
 
-__all__ = ["EngineProcess", "TimeBudget", "auto_num_prompts", "main", "parse_args"]
+__all__ = [
+    "EngineProcess",
+    "TimeBudget",
+    "auto_num_prompts",
+    "level_workloads",
+    "main",
+    "parse_args",
+]
 
 MIN_LEVEL_S = 60.0  # a level always gets this long, whatever the budget says
 
@@ -191,12 +199,37 @@ def _levels(args: argparse.Namespace) -> list[tuple[int | None, float | None]]:
     return [(c, None) for c in concs]
 
 
+def level_workloads(
+    tok: Any, args: argparse.Namespace, levels: list[tuple[int | None, float | None]]
+) -> list[Workload]:
+    """One workload a level, the same for every engine. Level i draws its own requests
+    (seed ``--seed`` + i): a level that repeated an earlier one's prompts (as the first
+    12 of 24 random prompts would, drawn from one seed) would be served from every
+    engine's prefix cache."""
+    out = []
+    for i, (conc, rate) in enumerate(levels):
+        params = WorkloadParams(
+            dataset=args.dataset,
+            num_prompts=args.num_prompts or auto_num_prompts(conc, rate),
+            seed=args.seed + i,
+            input_len=parse_range(args.input_len),
+            output_len=parse_range(args.output_len),
+            num_groups=args.num_groups,
+            system_len=args.system_len,
+            question_len=parse_range(args.question_len),
+            turns=args.turns,
+            user_len=parse_range(args.user_len),
+        )
+        out.append(build_workload(tok, params))
+    return out
+
+
 async def _bench_engine(
     url: str,
     model_id: str | None,
     extra: Any,
     args: argparse.Namespace,
-    workloads: dict[int, Any],
+    workloads: list[Workload],
     levels: list[tuple[int | None, float | None]],
     encode: Any,
     label: str,
@@ -218,9 +251,7 @@ async def _bench_engine(
     if not warm.ok:
         raise RuntimeError(f"warm-up request failed: {warm.error}")
     out: list[dict[str, Any]] = []
-    for conc, rate in levels:
-        n = args.num_prompts or auto_num_prompts(conc, rate)
-        wl = workloads[n]
+    for (conc, rate), wl in zip(levels, workloads, strict=True):
         desc = f"{label} " + (f"rate={rate:g}" if rate else f"c={conc}")
         limit = budget.next_level()
         run = await run_level(
@@ -242,7 +273,7 @@ async def _bench_engine(
             {
                 "concurrency": conc,
                 "request_rate": rate,
-                "num_prompts": n,
+                "num_prompts": wl.params.num_prompts,
                 "time_limit_s": round(limit, 1),
                 "timed_out": run.timed_out,
                 "summary": summary,
@@ -305,24 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return tok.encode(text, add_special_tokens=False)
 
     levels = _levels(args)
-    workloads: dict[int, Any] = {}
-    for conc, rate in levels:
-        n = args.num_prompts or auto_num_prompts(conc, rate)
-        if n not in workloads:
-            params = WorkloadParams(
-                dataset=args.dataset,
-                num_prompts=n,
-                seed=args.seed,
-                input_len=parse_range(args.input_len),
-                output_len=parse_range(args.output_len),
-                num_groups=args.num_groups,
-                system_len=args.system_len,
-                question_len=parse_range(args.question_len),
-                turns=args.turns,
-                user_len=parse_range(args.user_len),
-            )
-            workloads[n] = build_workload(tok, params)
-    first = next(iter(workloads.values()))
+    workloads = level_workloads(tok, args, levels)
+    first = workloads[0]
     print(f"workload {args.dataset}: {first.describe()}", flush=True)
 
     data: dict[str, Any] = {
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 *(sys.argv[1:] if argv is None else argv),
             ]
         ),
-        "workloads": {str(n): w.describe() for n, w in workloads.items()},
+        "workloads": [w.describe() for w in workloads],  # one a level, in order
         "engines": {},
     }
 

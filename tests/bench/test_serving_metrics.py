@@ -196,6 +196,29 @@ def test_workloads_are_seeded_and_sized(tokenizer_dir: Path) -> None:
             assert nxt.prompt.startswith(prev.prompt) and nxt.prompt_tokens > prev.prompt_tokens
 
 
+def test_no_level_repeats_another_levels_prompts(tokenizer_dir: Path) -> None:
+    """One seed for all levels made c=8's first 12 random prompts c=1's 12 (and c=4's
+    shared-prefix requests c=1's, whole): every engine's prefix cache served them. Each
+    level now draws its own, the same for every engine."""
+    from bench.serving import level_workloads, parse_args
+
+    tok = load_tokenizer(tokenizer_dir)
+    for dataset in ("random", "shared-prefix"):
+        args = parse_args(["--dataset", dataset, "--system-len", "64", "--input-len", "20:30"])
+        levels = [(1, None), (8, None), (32, None)]
+        runs = [level_workloads(tok, args, levels) for _ in range(2)]
+        assert [[r.prompt for r in w.requests] for w in runs[0]] == [
+            [r.prompt for r in w.requests] for w in runs[1]
+        ]  # the same for every engine
+        sizes = [len(w.requests) for w in runs[0]]
+        assert sizes == [12, 24, 96]
+        seen: set[str] = set()
+        for w in runs[0]:
+            prompts = {r.prompt for r in w.requests}
+            assert not prompts & seen, dataset
+            seen |= prompts
+
+
 def test_run_level_against_a_fake_streaming_server() -> None:
     from aiohttp import web
 
