@@ -192,6 +192,17 @@ class GGUFLinear(nn.Module):
                 return y
         return self.dense(x)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """As an LM head: fp32 logits, also for bf16 rows where the block kernel takes
+        them. Rounded to bf16, logits near 25 lie 0.125 apart: two tokens tie where fp32
+        tells them apart (the fused decode step's head is fp32 too)."""
+        if x.shape[0] <= self.max_rows(x.dtype):
+            lin = self.lin_bf16 if x.dtype == torch.bfloat16 else self.lin
+            y = qgemm.linear(x, lin, out_dtype=torch.float32)
+            if y is not None:
+                return y
+        return self.dense(x).float()
+
 
 def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")

@@ -24,7 +24,7 @@ from actorlm import Engine
 from actorlm.actors.runtime.transport import free_port
 
 from tests.servers import http
-from tests.test_serve import PROMPT, Served
+from tests.test_serve import EXACT, PROMPT, Served
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,7 +81,7 @@ def ray_head() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_llama: Path) -> list[int]:
-    with Engine(str(tiny_llama), kv_cache_gb=0.05) as engine:
+    with Engine(str(tiny_llama), kv_cache_gb=0.05, dtype="float32") as engine:
         out = engine.generate(PROMPT, {"max_new_tokens": 12, "temperature": 0})
     return list(out.token_ids)
 
@@ -93,7 +93,7 @@ def served(
     port = free_port()
     log = tmp_path_factory.mktemp("serve-ray") / "serve.log"
     cmd = [sys.executable, "-m", "actorlm.cli", "serve", "--model", str(tiny_llama)]
-    cmd += ["--port", str(port), "--kv-cache-gb", "0.05", "--dp-size", "2"]
+    cmd += ["--port", str(port), "--kv-cache-gb", "0.05", "--dp-size", "2", *EXACT]
     cmd += ["--router-policy", "round_robin", "--launcher", "ray", "--ray-address", ray_head]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -22,7 +22,7 @@ from actorlm.actors.replicas import replica_members
 from actorlm.actors.runtime.transport import free_port
 
 from tests.servers import Stream, http, stop
-from tests.test_serve import PROMPT, Served, role_pids
+from tests.test_serve import EXACT, PROMPT, Served, role_pids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +35,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     port = free_port()
     log = tmp_path_factory.mktemp("serve-dp") / "serve.log"
     cmd = [sys.executable, "-m", "actorlm.cli", "serve", "--model", str(tiny_llama)]
-    cmd += ["--port", str(port), "--kv-cache-gb", "0.05", "--dp-size", "2"]
+    cmd += ["--port", str(port), "--kv-cache-gb", "0.05", "--dp-size", "2", *EXACT]
     cmd += ["--router-policy", "least_load"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -15,14 +15,15 @@
  *
  *   S = Q K^T    q as it is (bf16 pairs of d); K^T as bf16 pairs (row p holds d = 2p,
  *                2p + 1 of 16 keys)
- *   P = online softmax of S * scale, causal; rounded to bf16 (as torch's bf16 attention
- *                rounds its probabilities before their product with V)
+ *   P = online softmax of S * scale, causal; on tiles rounded to bf16 (as torch's bf16
+ *                attention rounds its probabilities before their product with V), on dot
+ *                products as two bf16 parts (16 bits)
  *   O = O * alpha + P V    P as bf16 pairs of keys; V as bf16 pairs (row p holds keys
  *                2p, 2p + 1 of 16 d)
  *
  * Products are exact in fp32 and sums fp32, so the only roundings beyond fp32's are
- * P's and the output's, on tiles and dot products alike. Head sizes that are a multiple
- * of 64 take the tiles, of 32 the dot products; the rest keep the fp32 path.
+ * P's (8 bits on tiles, 16 on dot products) and the output's. Head sizes that are a
+ * multiple of 64 take the tiles, of 32 the dot products; the rest keep the fp32 path.
  */
 #ifndef ACTORLM_FLASH_H
 #define ACTORLM_FLASH_H
@@ -46,7 +47,8 @@ typedef struct {
     uint32_t *kt;  /* [D / 2, FA_KB]: K^T as bf16 pairs */
     uint32_t *vp;  /* [FA_KB / 2, D]: V as bf16 pairs of keys */
     float *s;      /* [rows, W], W = max(FA_KB, D): a block's scores, then P V */
-    uint16_t *p;   /* [rows, FA_KB]: the block's probabilities */
+    uint16_t *p;   /* [rows, FA_KB]: the block's probabilities, rounded to bf16 */
+    uint16_t *plo; /* [rows, FA_KB]: what that rounding left, rounded (dot products) */
     float *alpha;  /* [rows]: the block's rescale of the running sums */
     float *o;      /* [rows, D]: running outputs */
     float *m, *l;  /* [rows]: running max (base 2, scaled) and sum */
@@ -59,13 +61,14 @@ typedef struct {
 /* The scratch of a task of G heads of size D, carved from buf (NULL: just its size). */
 static size_t fa_carve(char *buf, int64_t G, int64_t D, fa_scratch *sc) {
     const size_t rows = (size_t)(G * FA_QB), w = (size_t)(D > FA_KB ? D : FA_KB);
-    const size_t sizes[] = {rows * D * 2,  (size_t)D / 2 * FA_KB * 4, (size_t)FA_KB / 2 * D * 4,
-                            rows * w * 4,  rows * FA_KB * 2,          rows * 4,
-                            rows * D * 4,  rows * 4,                  rows * 4,
-                            FA_QB * 8};
-    void **parts[] = {(void **)&sc->q, (void **)&sc->kt,    (void **)&sc->vp, (void **)&sc->s,
-                      (void **)&sc->p, (void **)&sc->alpha, (void **)&sc->o,  (void **)&sc->m,
-                      (void **)&sc->l, (void **)&sc->seen};
+    const size_t sizes[] = {rows * D * 2,     (size_t)D / 2 * FA_KB * 4, (size_t)FA_KB / 2 * D * 4,
+                            rows * w * 4,     rows * FA_KB * 2,          rows * FA_KB * 2,
+                            rows * 4,         rows * D * 4,              rows * 4,
+                            rows * 4,         FA_QB * 8};
+    void **parts[] = {(void **)&sc->q,     (void **)&sc->kt, (void **)&sc->vp, (void **)&sc->s,
+                      (void **)&sc->p,     (void **)&sc->plo, (void **)&sc->alpha,
+                      (void **)&sc->o,     (void **)&sc->m,  (void **)&sc->l,
+                      (void **)&sc->seen};
     size_t at = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         if (buf) *parts[i] = buf + at;
@@ -159,10 +162,11 @@ static void fa_pack(const uint16_t *kh, const uint16_t *vh, const int64_t *pages
 /* The online softmax of a tile's rows in base 2 (scores times scale * log2(e), m in
    those units), in passes over its 16 rows so that their chains overlap: each row's new
    max, every row's rescale factor at once, then the probabilities (rounded to bf16 for
-   their product with V) and their sums. seen[i]: the keys row i sees (0: it keeps its
-   state, alpha 1, as m starts at -FLT_MAX rather than -inf). */
+   their product with V; with `lo` also what the rounding left, rounded again) and their
+   sums. seen[i]: the keys row i sees (0: it keeps its state, alpha 1, as m starts at
+   -FLT_MAX rather than -inf). */
 static void fa_softmax(const fa_scratch *sc, int64_t t, const int64_t *seen, int64_t most,
-                       float scale) {
+                       float scale, int lo) {
     const int64_t groups = (most + 15) / 16, chunks = (most + 31) / 32, r0 = t * 16;
     const float c2 = scale * 1.44269504088896341f;
     float mnew[16], sums[16];
@@ -185,7 +189,7 @@ static void fa_softmax(const fa_scratch *sc, int64_t t, const int64_t *seen, int
     const __m512 cv = _mm512_set1_ps(c2);
     for (int64_t r = 0; r < 16; r++) {
         const float *sr = sc->s + (r0 + r) * sc->w;
-        uint16_t *pr = sc->p + (r0 + r) * FA_KB;
+        uint16_t *pr = sc->p + (r0 + r) * FA_KB, *lr = sc->plo + (r0 + r) * FA_KB;
         const __m512 mv = _mm512_set1_ps(mnew[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < 2 * chunks; c += 2) {
@@ -194,7 +198,14 @@ static void fa_softmax(const fa_scratch *sc, int64_t t, const int64_t *seen, int
             const __m512 e0 = _mm512_maskz_mov_ps(live[r][c], fa_exp2(x0));
             const __m512 e1 = _mm512_maskz_mov_ps(live[r][c + 1], fa_exp2(x1));
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-            _mm512_storeu_si512((void *)(pr + c * 16), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+            _mm512_storeu_si512((void *)(pr + c * 16), hi);
+            if (lo) { /* e - hi, exact in fp32, rounded: hi + lo holds 16 bits of e */
+                const __m512 h0 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16);
+                const __m512 h1 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16);
+                const __m512bh l = _mm512_cvtne2ps_pbh(_mm512_sub_ps(e1, h1), _mm512_sub_ps(e0, h0));
+                _mm512_storeu_si512((void *)(lr + c * 16), (__m512i)l);
+            }
         }
         sums[r] = _mm512_reduce_add_ps(sum);
     }
@@ -221,11 +232,12 @@ static void fa_accumulate(const fa_scratch *sc, int64_t t, int64_t D) {
 
 /* The products on dot products, 4 rows of a tile by NV vectors of 16 columns at a time:
    out[r][16 v + i] = sum over n pairs c of (a[r][2c], a[r][2c + 1]) . b[c][16 v + i],
-   a's rows `as` bf16 apart, b's rows of pairs `bs` dwords apart, out's rows w apart. 16
-   accumulators; each load of b serves 4 rows. */
+   plus the same of a2 where there is one (a second bf16 part of a), a's rows `as` bf16
+   apart, b's rows of pairs `bs` dwords apart, out's rows w apart. 16 accumulators; each
+   load of b serves 4 rows. */
 static inline __attribute__((always_inline)) void fa_dot_block(
-    const uint16_t *a, int64_t as, const uint32_t *b, int64_t bs, int64_t n, float *out,
-    int64_t w, const int NV) {
+    const uint16_t *a, const uint16_t *a2, int64_t as, const uint32_t *b, int64_t bs, int64_t n,
+    float *out, int64_t w, const int NV) {
     __m512 acc[4][4];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) acc[i / 4][i % 4] = _mm512_setzero_ps();
@@ -238,6 +250,11 @@ static inline __attribute__((always_inline)) void fa_dot_block(
             const __m512bh x = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(a + r * as + 2 * c));
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, bv[v]);
+            if (a2) {
+                const __m512bh x2 = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(a2 + r * as + 2 * c));
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x2, bv[v]);
+            }
         }
     }
 #pragma GCC unroll 4
@@ -246,31 +263,38 @@ static inline __attribute__((always_inline)) void fa_dot_block(
         for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + r * w + v * 16, acc[r][v]);
 }
 
-/* A tile's 16 rows against `cols` columns (a multiple of 32): out = a b, n pairs deep */
-static void fa_dot(const uint16_t *a, int64_t as, const uint32_t *b, int64_t bs, int64_t n,
-                   int64_t cols, float *out, int64_t w) {
+/* A tile's 16 rows against `cols` columns (a multiple of 32): out = (a + a2) b, n pairs
+   deep */
+static void fa_dot(const uint16_t *a, const uint16_t *a2, int64_t as, const uint32_t *b,
+                   int64_t bs, int64_t n, int64_t cols, float *out, int64_t w) {
     const int64_t vecs = cols / 16;
-    for (int64_t r0 = 0; r0 < 16; r0 += 4)
+    for (int64_t r0 = 0; r0 < 16; r0 += 4) {
+        const uint16_t *ar = a + r0 * as, *ar2 = a2 ? a2 + r0 * as : NULL;
         for (int64_t v0 = 0; v0 < vecs; v0 += 4) {
             if (vecs - v0 >= 4)
-                fa_dot_block(a + r0 * as, as, b + v0 * 16, bs, n, out + r0 * w + v0 * 16, w, 4);
+                fa_dot_block(ar, ar2, as, b + v0 * 16, bs, n, out + r0 * w + v0 * 16, w, 4);
             else
-                fa_dot_block(a + r0 * as, as, b + v0 * 16, bs, n, out + r0 * w + v0 * 16, w, 2);
+                fa_dot_block(ar, ar2, as, b + v0 * 16, bs, n, out + r0 * w + v0 * 16, w, 2);
         }
+    }
 }
 
 /* s[tile] = q K^T, for the keys the softmax reads (32 at a time): K^T's rows hold pairs
-   of d */
+   of d. q and K are bf16 as they are, so every product is exact. */
 static void fa_scores_dp(const fa_scratch *sc, int64_t t, int64_t most, int64_t D) {
-    fa_dot(sc->q + t * 16 * D, D, sc->kt, FA_KB, D / 2, (most + 31) / 32 * 32,
+    fa_dot(sc->q + t * 16 * D, NULL, D, sc->kt, FA_KB, D / 2, (most + 31) / 32 * 32,
            sc->s + t * 16 * sc->w, sc->w);
 }
 
 /* s[tile] = P V, over the keys the softmax wrote (32 at a time): V's rows hold pairs of
-   keys */
+   keys. P as two bf16 parts (its rounding and what that left), so the products carry 16
+   bits of P where the tiles' carry 8: rounded to bf16 alone, P flipped the default
+   model's first answer to a question (two logits 0.02 apart where fp32 attention put
+   them 0.24 apart; with both 0.21). Twice these products cost no time a 512-token
+   prefill shows (320-325 ms, 2-core Zen 4). */
 static void fa_values_dp(const fa_scratch *sc, int64_t t, int64_t most, int64_t D) {
-    fa_dot(sc->p + t * 16 * FA_KB, FA_KB, sc->vp, D, (most + 31) / 32 * 16, D,
-           sc->s + t * 16 * sc->w, sc->w);
+    fa_dot(sc->p + t * 16 * FA_KB, sc->plo + t * 16 * FA_KB, FA_KB, sc->vp, D,
+           (most + 31) / 32 * 16, D, sc->s + t * 16 * sc->w, sc->w);
 }
 
 #if defined(__AMX_BF16__)
@@ -362,7 +386,8 @@ static void fa_task(const uint16_t *q, int64_t q_row, const uint16_t *kh, const 
         for (int64_t t = 0; t < rtiles; t++)
             if (most[t % per]) fa_scores(sc, t, most[t % per], D, tiles);
         for (int64_t t = 0; t < rtiles; t++)
-            if (most[t % per]) fa_softmax(sc, t, sc->seen + (t % per) * 16, most[t % per], scale);
+            if (most[t % per])
+                fa_softmax(sc, t, sc->seen + (t % per) * 16, most[t % per], scale, !tiles);
         for (int64_t t = 0; t < rtiles; t++)
             if (most[t % per]) fa_values(sc, t, most[t % per], D, tiles);
         for (int64_t t = 0; t < rtiles; t++)

@@ -405,10 +405,12 @@ def amx_ready(level: str = "") -> bool:
     return lib is not None and bool(lib.actorlm_amx_ready())
 
 
-def linear(x: torch.Tensor, lin: Lin, level: str = "") -> torch.Tensor | None:
+def linear(
+    x: torch.Tensor, lin: Lin, level: str = "", out_dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for ``x`` [M, K] fp32 or bf16 on the CPU (the result in x's
-    dtype), or None when the kernel cannot take it (not built here, another device or
-    dtype, a strided row)."""
+    dtype, or ``out_dtype``: fp32 or bf16), or None when the kernel cannot take it (not
+    built here, another device or dtype, a strided row)."""
     lib = native_qgemm(level)
     if (
         lib is None
@@ -420,10 +422,12 @@ def linear(x: torch.Tensor, lin: Lin, level: str = "") -> torch.Tensor | None:
         return None
     if x.shape[1] != lin.k:
         raise ValueError(f"x has {x.shape[1]} columns but the weight {lin.k}")
-    y = x.new_empty(x.shape[0], lin.n)
-    bf16 = int(x.dtype == torch.bfloat16)
+    y = x.new_empty(x.shape[0], lin.n, dtype=out_dtype or x.dtype)
+    if y.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"cpu linear: no {y.dtype} output")
+    bf16, y_bf16 = int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16)
     rc = lib.actorlm_linear(
-        ctypes.byref(lin), x.data_ptr(), bf16, x.shape[0], x.stride(0), y.data_ptr(), bf16,
+        ctypes.byref(lin), x.data_ptr(), bf16, x.shape[0], x.stride(0), y.data_ptr(), y_bf16,
         lin.n, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

@@ -125,7 +125,8 @@ class CausalLM(nn.Module):
             x, residual = x[meta.sample_rows], residual[meta.sample_rows]
         x, _ = self.model.norm(x, residual)
         if self.head is not None:
-            logits = self.head(x).float()
+            fp32 = getattr(self.head, "logits", None)  # a head that gives fp32 logits itself
+            logits = fp32(x) if fp32 is not None else self.head(x).float()
         elif not self.tied:  # nn.Linear, or what a linear method converted it into
             logits = self.lm_head(x).float()
         else:

@@ -148,3 +148,26 @@ def test_default_model(
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     prompt = tok("Write a short poem about the sea.\n")["input_ids"]
     check(default_gguf, "gguf", prompt, default_gguf_transformers)
+
+
+def test_a_block_head_gives_fp32_logits(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A bf16 model's GGUF head computes fp32 logits in the forward, as the fused step's
+    does: rounded to bf16 two tokens near 25 tie at 0.125 apart (the default model's
+    first answer to a question hung on one such tie)."""
+    from actorlm.gpu.kernels import qgemm
+    from actorlm.gpu.quantization import GGUFLinear
+
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    runner = make_runner(path, dtype="bfloat16", quantization="gguf", fused_decode_max_batch=0)
+    head = runner.model.head
+    assert isinstance(head, GGUFLinear)
+    row = runner.run([SeqSpec(PROMPT, 0, Pages().table("a", len(PROMPT)))])[0]
+    assert row.dtype == torch.float32
+    assert not torch.equal(row, row.bfloat16().float())  # not bf16 values widened
+    x = torch.randn(3, head.lin.k).bfloat16()
+    w_t = qgemm.linear(torch.eye(head.lin.k), head.lin)  # W^T: the blocks' exact values
+    assert w_t is not None
+    want = x.double() @ w_t.double()
+    torch.testing.assert_close(head.logits(x).double(), want, rtol=1e-5, atol=1e-4)
