@@ -224,12 +224,6 @@ static void fa_accumulate(const fa_scratch *sc, int64_t t, int64_t D) {
     }
 }
 
-/* The four passes of a block over the task's live tiles of 16 rows (tile t: rows
-   [16 t, 16 t + 16), one head's 16 consecutive tokens), each pass over every tile before
-   the next, so that no tile's result is read right after it was stored. most[t]: the
-   keys its last row sees (the most of its rows); keys past it are skipped a tile (16:
-   scores) or two (32: products with V) at a time. */
-
 /* The products on dot products, 4 rows of a tile by NV vectors of 16 columns at a time:
    out[r][16 v + i] = sum over n pairs c of (a[r][2c], a[r][2c + 1]) . b[c][16 v + i],
    plus the same of a2 where there is one (a second bf16 part of a), a's rows `as` bf16
@@ -264,8 +258,8 @@ static inline __attribute__((always_inline)) void fa_dot_block(
 }
 
 /* A tile's 16 rows against `cols` columns (a multiple of 32): out = (a + a2) b, n pairs
-   deep */
-static void fa_dot(const uint16_t *a, const uint16_t *a2, int64_t as, const uint32_t *b,
+   deep (inlined into each caller, so that whether there is an a2 is known there) */
+static inline __attribute__((always_inline)) void fa_dot(const uint16_t *a, const uint16_t *a2, int64_t as, const uint32_t *b,
                    int64_t bs, int64_t n, int64_t cols, float *out, int64_t w) {
     const int64_t vecs = cols / 16;
     for (int64_t r0 = 0; r0 < 16; r0 += 4) {
@@ -299,6 +293,9 @@ static void fa_values_dp(const fa_scratch *sc, int64_t t, int64_t most, int64_t 
 
 #if defined(__AMX_BF16__)
 #include "flash_amx.h"
+#else /* no tiles in this build: fa_tiles is 0, so the tiles' products are never called */
+#define fa_scores_amx fa_scores_dp
+#define fa_values_amx fa_values_dp
 #endif
 
 /* Whether a task of head size D runs its products on AMX tiles: the build and the CPU
@@ -329,27 +326,11 @@ static inline void fa_tiles_off(int tiles) {
 #endif
 }
 
-static inline void fa_scores(const fa_scratch *sc, int64_t t, int64_t most, int64_t D, int tiles) {
-#if defined(__AMX_BF16__)
-    if (tiles) {
-        fa_scores_amx(sc, t, most, D);
-        return;
-    }
-#endif
-    (void)tiles;
-    fa_scores_dp(sc, t, most, D);
-}
-
-static inline void fa_values(const fa_scratch *sc, int64_t t, int64_t most, int64_t D, int tiles) {
-#if defined(__AMX_BF16__)
-    if (tiles) {
-        fa_values_amx(sc, t, most, D);
-        return;
-    }
-#endif
-    (void)tiles;
-    fa_values_dp(sc, t, most, D);
-}
+/* The four passes of a block over the task's live tiles of 16 rows (tile t: rows
+   [16 t, 16 t + 16), one head's 16 consecutive tokens), each pass over every tile before
+   the next, so that no tile's result is read right after it was stored. most[t]: the
+   keys its last row sees (the most of its rows); keys past it are skipped a tile (16:
+   scores) or two (32: products with V) at a time. */
 
 /* One task: KV head h (its K and V at kh, vh), tokens [t0, t1) of the n new ones; the
    products on AMX tiles (`tiles`, configured by the caller) or dot products. */
@@ -384,12 +365,12 @@ static void fa_task(const uint16_t *q, int64_t q_row, const uint16_t *kh, const 
             most[j] = sc->seen[last];
         }
         for (int64_t t = 0; t < rtiles; t++)
-            if (most[t % per]) fa_scores(sc, t, most[t % per], D, tiles);
+            if (most[t % per]) (tiles ? fa_scores_amx : fa_scores_dp)(sc, t, most[t % per], D);
         for (int64_t t = 0; t < rtiles; t++)
             if (most[t % per])
                 fa_softmax(sc, t, sc->seen + (t % per) * 16, most[t % per], scale, !tiles);
         for (int64_t t = 0; t < rtiles; t++)
-            if (most[t % per]) fa_values(sc, t, most[t % per], D, tiles);
+            if (most[t % per]) (tiles ? fa_values_amx : fa_values_dp)(sc, t, most[t % per], D);
         for (int64_t t = 0; t < rtiles; t++)
             if (most[t % per]) fa_accumulate(sc, t, D);
     }
