@@ -14,7 +14,15 @@
  * with x rounded to bf16 once a call (round to nearest even, as torch's bf16 is). The
  * only rounding beyond fp32's is then x's, which a bf16 model's forward rounds too;
  * a linear opts in with lin_t's `act_bf16` (kernels/step.py sets it in the fused step
- * of a bf16 model), and takes this path from DP_MIN_ROWS rows on.
+ * of a bf16 model), and takes this path for Q4_1 from one row on, for Q8_0 from
+ * DP_MIN_ROWS rows.
+ *
+ * Q4_1 codes expand in registers, 8 rows of x a pass at most, each pass expanding
+ * them again (dp_q4_pass): on a 2-core Zen 4 that beat expanding once into an L1
+ * buffer and reading it back at every row count measured (1.55x at one row, 1.25x at
+ * 8, 1.08x at 32; one 3072x576 linear from memory, one thread), and beats the fp32
+ * tiles from one row on. Q8_0 codes take 6 operations to expand: they go through the
+ * buffer (dp_expand, shared with amx.h), from DP_MIN_ROWS rows.
  *
  * Scratch (x as bf16, its block sums, the rows' accumulators) lives in a buffer per
  * thread that grows as needed and is kept, so a call allocates nothing in steady state.
@@ -26,7 +34,8 @@
 #include <stdlib.h>
 #include "simd.h"
 
-#define DP_MIN_ROWS 5 /* fewer rows: gemv.h's fp32 tiles (4% faster at 4 rows; a decode step, 2-core Zen 4) */
+#define DP_MIN_ROWS 5 /* Q8_0: fewer rows keep gemv.h's fp32 tiles (4% faster at 4 rows; a decode step, 2-core Zen 4) */
+#define DP_Q4_ROWS 8 /* rows of x a pass over Q4_1 codes expanded in registers */
 #define DP_ROWS 12  /* rows of x a pass: 2 accumulators a row in 32 registers */
 #define DP_CHUNK 16 /* blocks of a group expanded at a time: 16 KiB, in L1 */
 
@@ -73,27 +82,35 @@ static inline void dp_prefetch(const int q4, const uint8_t *q, const uint16_t *d
     if (q4) __builtin_prefetch(mn + next * GROUP, 0, 3);
 }
 
+/* The bf16 values 0..15, twice: a table for _mm512_permutexvar_epi16 */
+static inline __m512i dp_q4_table(void) {
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return (__m512i)_mm512_cvtne2ps_pbh(iota, iota);
+}
+
+/* A pair of Q4_1 codes of 16 columns (16 bytes: k in the low nibble, k + 1 in the high)
+   as bf16 pairs, column n's in 32-bit lane n: the nibbles moved to the low bits of the
+   lane's two halves index the table. */
+static inline __attribute__((always_inline)) __m512i dp_q4_pair(const uint8_t *p, __m512i table) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    /* bits 0-3 from v, the rest from v << 12 (bits 16-19 the high nibble; the table
+       reads the low 5 bits of each half, and bit 4 of both is 0) */
+    const __m512i idx =
+        _mm512_ternarylogic_epi32(_mm512_set1_epi32(15), v, _mm512_slli_epi32(v, 12), 0xCA);
+    return _mm512_permutexvar_epi16(idx, table);
+}
+
 /* Blocks [b0, b0 + nbc) of group g as bf16 pairs: for block b and pair p (codes k = 2p
    and 2p + 1 of the 16 columns), one vector whose 32-bit lane n holds column n's two. */
 static inline void dp_expand(const int q4, const uint8_t *q, const uint16_t *d,
                              const uint16_t *mn, int64_t nb, int64_t g, int64_t b0, int64_t nbc,
                              __m512i *wb) {
     if (q4) {
-        /* a code byte holds k (low nibble) and k + 1 (high): moved to the low bits of
-           the lane's two halves, they index a table of the bf16 values 0..15 */
-        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(iota, iota);
+        const __m512i table = dp_q4_table();
         for (int64_t b = 0; b < nbc; b++) {
             dp_prefetch(1, q, d, mn, (g + 1) * nb + b0 + b);
             const uint8_t *qb = q + (g * nb + b0 + b) * 16 * GROUP;
-            for (int p = 0; p < 16; p++) {
-                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + p * GROUP)));
-                /* bits 0-3 from v, the rest from v << 12 (bits 16-19 the high nibble; the
-                   table reads the low 5 bits of each half, and bit 4 of both is 0) */
-                const __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi32(15), v,
-                                                              _mm512_slli_epi32(v, 12), 0xCA);
-                wb[b * 16 + p] = _mm512_permutexvar_epi16(idx, table);
-            }
+            for (int p = 0; p < 16; p++) wb[b * 16 + p] = dp_q4_pair(qb + p * GROUP, table);
         }
     } else {
         /* two rows of 16 codes to fp32, to bf16 (exact), interleaved lane by lane */
@@ -149,6 +166,51 @@ static inline __attribute__((always_inline)) void dp_pass(
     for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * GROUP, a[r]);
 }
 
+/* Rows [0, R) (R <= DP_Q4_ROWS) of x against group g of a Q4_1 weight, all its blocks,
+   each pair of codes expanded in registers and met by every row: y [R][16 columns]
+   written (w of them). A row gets 4 accumulators a block (2 for 2-3 rows), so at
+   least 4 chains of dot products are in flight. */
+static inline __attribute__((always_inline)) void dp_q4_pass(
+    const uint8_t *q, const uint16_t *d, const uint16_t *mn, int64_t nb, int64_t g,
+    const uint16_t *xb, const float *sx, int64_t K, float *y, int64_t ys, int64_t w, const int R) {
+    const int AN = R == 1 ? 4 : R <= 3 ? 2 : 1;
+    const __m512i table = dp_q4_table();
+    __m512 a[DP_Q4_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t blk = g * nb + b;
+        dp_prefetch(1, q, d, mn, blk + nb);
+        const uint8_t *qb = q + blk * 16 * GROUP;
+        __m512 s[DP_Q4_ROWS][4];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int i = 0; i < AN; i++) s[r][i] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            const __m512bh wv = (__m512bh)dp_q4_pair(qb + p * GROUP, table);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const __m512i xp = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + b * QK + 2 * p));
+                s[r][p % AN] = _mm512_dpbf16_ps(s[r][p % AN], (__m512bh)xp, wv);
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + blk * GROUP)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + blk * GROUP)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m512 t = s[r][0];
+#pragma GCC unroll 4
+            for (int i = 1; i < AN; i++) t = _mm512_add_ps(t, s[r][i]);
+            a[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r * nb + b]), _mm512_fmadd_ps(t, dv, a[r]));
+        }
+    }
+    const __mmask16 lanes = (__mmask16)((1u << w) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ys, lanes, a[r]);
+}
+
 /* Groups [g0, g1) of a block weight, all M rows of x; 0, or -1 when the scratch could
    not be had (the caller then takes gemv.h's tiles). */
 static int dp_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
@@ -164,6 +226,25 @@ static int dp_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
     uint16_t *xb = (uint16_t *)buf;
     float *sx = q4 ? (float *)(buf + xb_bytes) : NULL, *acc = (float *)(buf + xb_bytes + sx_bytes);
     dp_round_rows(x, M, xs, K, xb, sx);
+    if (q4) { /* passes of equal size, at most DP_Q4_ROWS rows: 12 rows as 6 + 6 */
+        const int64_t passes = (M + DP_Q4_ROWS - 1) / DP_Q4_ROWS, rows = (M + passes - 1) / passes;
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t n0 = g * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
+            for (int64_t m0 = 0; m0 < M; m0 += rows) {
+                const int64_t R = M - m0 < rows ? M - m0 : rows;
+                const uint16_t *xr = xb + m0 * K;
+                const float *sr = sx + m0 * nb;
+                float *yr = y + m0 * ys + n0;
+                switch (R) {
+#define PASS(k) \
+    case k: dp_q4_pass(q, d, mn, nb, g, xr, sr, K, yr, ys, w, k); break;
+                    PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+#undef PASS
+                }
+            }
+        }
+        return 0;
+    }
     /* passes of equal size, at most DP_ROWS rows: 32 rows as 11 + 11 + 10 */
     const int64_t passes = (M + DP_ROWS - 1) / DP_ROWS, rows = (M + passes - 1) / passes;
     const int64_t chunks = (nb + DP_CHUNK - 1) / DP_CHUNK, per = (nb + chunks - 1) / chunks;

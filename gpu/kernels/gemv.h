@@ -16,10 +16,11 @@
  *     build 8 (each half of a group in turn, the second from L1), lane by lane in the
  *     same order: their results are equal bit for bit.
  *
- * Builds with AVX512-BF16 take block weights at 5 rows or more through dpbf16.h's
- * bf16 dot products instead, where the linear allows x to round to bf16 (`act_bf16`),
- * and builds with AMX through amx.h's tiles over the same expanded blocks (from 41
- * rows, over the weights rounded to bf16).
+ * Builds with AVX512-BF16 take Q4_1 weights at any row count and Q8_0 weights at 5
+ * rows or more through dpbf16.h's bf16 dot products instead, where the linear allows x
+ * to round to bf16 (`act_bf16`), and builds with AMX take both from 5 rows through
+ * amx.h's tiles over the same expanded blocks (from 41 rows, over the weights rounded
+ * to bf16).
  *
  * `lin_cols` computes a range of output columns on the calling thread; the caller
  * splits the columns over threads (`lin_part`). Included by cpu_qgemm.c (one linear
@@ -245,10 +246,15 @@ static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, i
     if (L->act_bf16 && M >= AMX_MIN_ROWS && amx_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
 #endif
 #if defined(__AVX512BF16__)
-    /* bf16 dot products over blocks expanded once a call (Zen 5, one core: 1.4x the
-       fp32 tiles at 16 rows, 1.6x at 32; a decode step of the default model on a
-       2-core Zen 4: 1.1x at 6 rows, 1.15x at 8, once the expansion fetched ahead) */
-    if (L->act_bf16 && M >= DP_MIN_ROWS && dp_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
+    /* bf16 dot products (one 3072x576 Q4_1 linear from memory, one thread of a 2-core
+       Zen 4: 1.55x the fp32 tiles at one row, 1.3x at 8); the AMX build keeps the tiles
+       below AMX_MIN_ROWS, not measured against the dot products on a Xeon */
+#if defined(__AMX_BF16__)
+    const int dp_rows = DP_MIN_ROWS;
+#else
+    const int dp_rows = L->kind == LIN_Q4_1 ? 1 : DP_MIN_ROWS;
+#endif
+    if (L->act_bf16 && M >= dp_rows && dp_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
 #endif
     const int q4 = L->kind == LIN_Q4_1;
     const uint8_t *q = (const uint8_t *)L->w;
