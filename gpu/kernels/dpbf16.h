@@ -128,12 +128,12 @@ static inline void dp_expand(const int q4, const uint8_t *q, const uint16_t *d,
     }
 }
 
-/* Rows [0, R) of a pass over blocks [b0, b0 + nbc) of group g: acc [R][16] fp32 in and
-   out, xb / sx at the pass's first row. */
-static inline __attribute__((always_inline)) void dp_pass(
-    const int q4, const __m512i *wb, const uint16_t *xb, const float *sx, int64_t K,
-    const uint16_t *d, const uint16_t *mn, int64_t nb, int64_t g, int64_t b0, int64_t nbc,
-    float *acc, const int R) {
+/* Rows [0, R) of a pass over Q8_0 blocks [b0, b0 + nbc) of group g, expanded in wb:
+   acc [R][16] fp32 in and out, xb at the pass's first row. */
+static inline __attribute__((always_inline)) void dp_pass(const __m512i *wb, const uint16_t *xb,
+                                                          int64_t K, const uint16_t *d, int64_t nb,
+                                                          int64_t g, int64_t b0, int64_t nbc,
+                                                          float *acc, const int R) {
     __m512 a[DP_ROWS];
 #pragma GCC unroll 12
     for (int r = 0; r < R; r++) a[r] = _mm512_loadu_ps(acc + r * GROUP);
@@ -152,15 +152,8 @@ static inline __attribute__((always_inline)) void dp_pass(
             }
         }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + blk * GROUP)));
-        if (q4) {
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + blk * GROUP)));
 #pragma GCC unroll 12
-            for (int r = 0; r < R; r++)
-                a[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r * nb + b0 + b]), _mm512_fmadd_ps(s[r], dv, a[r]));
-        } else {
-#pragma GCC unroll 12
-            for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(s[r], dv, a[r]);
-        }
+        for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(s[r], dv, a[r]);
     }
 #pragma GCC unroll 12
     for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * GROUP, a[r]);
@@ -245,7 +238,7 @@ static int dp_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
         }
         return 0;
     }
-    /* passes of equal size, at most DP_ROWS rows: 32 rows as 11 + 11 + 10 */
+    /* Q8_0: passes of equal size, at most DP_ROWS rows: 32 rows as 11 + 11 + 10 */
     const int64_t passes = (M + DP_ROWS - 1) / DP_ROWS, rows = (M + passes - 1) / passes;
     const int64_t chunks = (nb + DP_CHUNK - 1) / DP_CHUNK, per = (nb + chunks - 1) / chunks;
     __m512i wb[DP_CHUNK * 16];
@@ -253,17 +246,13 @@ static int dp_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
         for (int64_t i = 0; i < M * GROUP; i++) acc[i] = 0.f;
         for (int64_t b0 = 0; b0 < nb; b0 += per) {
             const int64_t nbc = nb - b0 < per ? nb - b0 : per;
-            dp_expand(q4, q, d, mn, nb, g, b0, nbc, wb);
+            dp_expand(0, q, d, mn, nb, g, b0, nbc, wb);
             for (int64_t m0 = 0; m0 < M; m0 += rows) {
                 const int64_t R = M - m0 < rows ? M - m0 : rows;
                 const uint16_t *xr = xb + m0 * K;
-                const float *sr = q4 ? sx + m0 * nb : NULL;
                 float *ar = acc + m0 * GROUP;
-#define PASS(k)                                                                         \
-    case k:                                                                             \
-        if (q4) dp_pass(1, wb, xr, sr, K, d, mn, nb, g, b0, nbc, ar, k);                \
-        else dp_pass(0, wb, xr, sr, K, d, mn, nb, g, b0, nbc, ar, k);                   \
-        break;
+#define PASS(k) \
+    case k: dp_pass(wb, xr, K, d, nb, g, b0, nbc, ar, k); break;
                 switch (R) {
                     PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
                     PASS(7) PASS(8) PASS(9) PASS(10) PASS(11) PASS(12)
