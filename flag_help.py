@@ -39,7 +39,7 @@ FLAG_HELP: dict[str, str] = {
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying graphs",
     "cuda_graph_max_bs": "CUDA: the largest decode batch captured as a graph",
     # scheduling
-    "policy": "admission order: fcfs, lpm (longest cached prefix first) or priority",
+    "policy": "admission order: fcfs, lpm (longest cached prefix first) or priority (which also keeps short prompts from going before long ones being chunked)",
     "max_running_requests": "requests in the running batch at most",
     "max_prefill_tokens": "prompt tokens computed per step, chunked beyond (0: the platform's)",
     "max_queued_requests": "requests queued or running at most; more get 429/503 (0: no limit)",

@@ -510,7 +510,7 @@ class BatchPlanner:
         seqs: list[SeqStep] = []
         plan: dict[str, tuple[int, bool]] = {}
         decodes = [r for r in self.running.values() if r.todo == 1]
-        prefills = [r for r in self.running.values() if r.todo > 1]
+        prefills = self._prefill_order([r for r in self.running.values() if r.todo > 1], budget)
         for req in decodes + prefills:
             if req.blocked or req.num_output + req.pending >= req.params.max_new_tokens:
                 continue  # refused a page, or its last token is in a step in flight
@@ -549,6 +549,26 @@ class BatchPlanner:
         return ForwardBatch(
             step_id=step_id, seqs=seqs, release=release, store_pages=stores, load_pages=loads
         )
+
+    def _prefill_order(self, prefills: list[Req], budget: int) -> list[Req]:
+        """Prefills in admission order, except that those ending within half the step's
+        budget go first (in admission order too): a follow-up over a cached system
+        prompt, or a long prompt's last chunk, is not held behind a long cold prompt
+        being chunked until that one is done, and the long one still gets at least half
+        of every step. On 2 cores a cold ~1,070-token prompt takes ~5 steps; a cached
+        one's ~40-token tail waited for them. The priority policy keeps its order."""
+        if self.cfg.policy == "priority":
+            return prefills
+        quick: list[Req] = []
+        rest: list[Req] = []
+        room = budget // 2
+        for req in prefills:
+            if not req.blocked and req.todo <= room:
+                quick.append(req)
+                room -= req.todo
+            else:
+                rest.append(req)
+        return quick + rest
 
     def on_result(self, batch: ForwardBatch, result: StepResult) -> list[TokenDelta]:
         self.stats["steps"] += 1

@@ -299,3 +299,31 @@ def test_overlap_takes_the_zombie_and_deferred_retraction_paths() -> None:
         planners.append(planner)
     assert outs[0] == outs[1] and len(outs[0]) == 10
     assert planners[1].stats["zombies"] > 0 and planners[1].stats["retractions"] > 0
+
+
+def _chunks(planner: BatchPlanner, kv: KVCacheManager, step_id: int) -> dict[str, int]:
+    """One plain step: its cache exchange, then each sequence's tokens in the batch."""
+    ops = planner.cache_ops()
+    if ops is not None:
+        planner.apply_cache(apply_step(kv, ops).result)
+    batch = planner.build_batch(step_id)
+    planner.on_result(batch, model(batch, {}))
+    return {s.rid: len(s.input_ids) for s in batch.seqs}
+
+
+def test_a_short_prompt_goes_before_a_long_one_being_chunked() -> None:
+    """A prompt that ends within half the step's budget (24 tokens here) is computed in
+    the step after it arrives, ahead of a long prompt still being chunked, which keeps
+    the rest of every step. The priority policy keeps admission order."""
+    for policy, short_first in (("fcfs", True), ("lpm", True), ("priority", False)):
+        cfg = SchedulerConfig(max_running_requests=8, max_prefill_tokens=24, policy=policy)
+        planner = BatchPlanner(cfg, page_size=PAGE, num_pages=64, max_model_len=4096)
+        kv = KVCacheManager(64, PAGE)
+        assert planner.add(request("long", list(range(100, 170)), 2), "t") is None
+        assert _chunks(planner, kv, 0) == {"long": 24}
+        assert planner.add(request("short", [7, 8, 9, 10, 11], 2), "t") is None
+        got = _chunks(planner, kv, 1)
+        if short_first:
+            assert got == {"short": 5, "long": 19}, policy
+        else:
+            assert got == {"long": 24}, policy
