@@ -166,7 +166,7 @@ def test_extensions_attend_together_over_a_bf16_pool(
     if level not in ("avx512bf16", "amx"):
         pytest.skip(f"the {level} build attends a row at a time")
     tiles = fused.max_new == FusedDecoder.MAX_NEW
-    assert tiles or fused.max_new == FusedDecoder.MAX_NEW_DOTS == 32
+    assert tiles or fused.max_new == FusedDecoder.MAX_NEW_DOTS == 64
     pages = list(range(runner.pool.num_pages))
     random.Random(7).shuffle(pages)
     a, b, c = pages[:60], pages[60:80], pages[80:82]
@@ -177,6 +177,7 @@ def test_extensions_attend_together_over_a_bf16_pool(
         [SeqSpec(LONG[0][20:29], 620, a), SeqSpec([8], 42, b)],  # 9, across a page's end
         [SeqSpec(LONG[0][29:61], 629, a)],  # 32 rows
         [SeqSpec(LONG[0][61:66], 661, a), SeqSpec(LONG[0][70:79], 43, b)],  # 5 and 9
+        [SeqSpec(LONG[0][66:130], 666, a)],  # 64 rows
     ]
     for i, step in enumerate(steps):
         assert fused.accepts(step)
@@ -246,7 +247,8 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     fused = runner.fused
     assert fused is not None
     if fused.max_new != FusedDecoder.MAX_NEW:
-        assert fused.max_batch == FusedDecoder.MAX_BATCH
+        dots = fused.max_new == FusedDecoder.MAX_NEW_DOTS
+        assert fused.max_batch == (FusedDecoder.MAX_BATCH_DOTS if dots else FusedDecoder.MAX_BATCH)
         pytest.skip("no AMX tiles here (or the OS refused their state)")
     assert fused.max_batch == FusedDecoder.MAX_BATCH_TILES == 128
     plain = make_runner(path, dtype="bfloat16", fused_decode_max_batch=0, **opts)
