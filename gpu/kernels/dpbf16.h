@@ -24,7 +24,7 @@
  * tiles from one row on. Q8_0 codes take 6 operations to expand: they go through the
  * buffer (dp_expand, shared with amx.h), from DP_MIN_ROWS rows.
  *
- * Scratch (x as bf16, its block sums, the rows' accumulators) lives in a buffer per
+ * Scratch (x as bf16, its block sums, Q8_0's rows' accumulators) lives in a buffer per
  * thread that grows as needed and is kept, so a call allocates nothing in steady state.
  */
 #ifndef ACTORLM_DPBF16_H
@@ -214,7 +214,7 @@ static int dp_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
     const int64_t K = L->k, nb = K / QK, N = L->n;
     const size_t xb_bytes = ((size_t)(M * K) * 2 + 63) / 64 * 64;
     const size_t sx_bytes = q4 ? ((size_t)(M * nb) * 4 + 63) / 64 * 64 : 0;
-    char *buf = dp_buffer(xb_bytes + sx_bytes + (size_t)M * GROUP * 4);
+    char *buf = dp_buffer(xb_bytes + sx_bytes + (q4 ? 0 : (size_t)M * GROUP * 4));
     if (buf == NULL) return -1;
     uint16_t *xb = (uint16_t *)buf;
     float *sx = q4 ? (float *)(buf + xb_bytes) : NULL, *acc = (float *)(buf + xb_bytes + sx_bytes);
