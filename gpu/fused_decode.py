@@ -37,6 +37,7 @@ from .attention.cpu import CpuBackend
 from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.attention import prefill_tiles
+from .kernels.qgemm import BLOCK_KINDS
 from .kernels.step import DecodeStep, LayerWeights, StepWeights, native_step
 from .kv_pool import KVPool
 from .models.layers import Attention, GatedMLP, RMSNorm
@@ -174,19 +175,21 @@ class FusedDecoder:
     # 2-core Xeon, tiles: 32 tokens 17.2 against 24.2 ms, 64 tokens 26.0 against 37.2,
     # 128 tokens 41.7 against 51.9, 192 tokens 62.1 against 66.3, 256 tokens 82.2 against
     # 79.0; a row each: 16 tokens 15.9 against 18.1, 32 tokens 28.3 against 28.9. 2-core
-    # Zen 4, dot products, Q4_1 codes expanded in registers (dpbf16.h): 32 tokens 34.5
-    # against 47.1, 48 tokens 53.6 against 60.1, 64 tokens 64.1 against 71.5, 96 tokens
-    # 95.5 against 104.1.
+    # Zen 4, dot products: 16 tokens 20.1 against 29.5, 32 tokens 33.0 against 43.9; with
+    # Q4_1 layers, their codes expanded in registers (dpbf16.h), 48 tokens 53.6 against
+    # 60.1, 64 tokens 64.1 against 71.5, 96 tokens 95.5 against 104.1.
     MAX_NEW: ClassVar[int] = 128  # rows of one sequence on tiles
-    MAX_NEW_DOTS: ClassVar[int] = 64  # on AVX512-BF16's dot products
+    MAX_NEW_DOTS: ClassVar[int] = 32  # on AVX512-BF16's dot products
+    MAX_NEW_DOTS_Q4: ClassVar[int] = 64  # there, over Q4_1 layers
     MAX_NEW_ROWWISE: ClassVar[int] = 16
     # Rows a step by default (``fused_decode_max_batch`` -1): on tiles as above, decodes
     # of 48 / 64 / 128 sequences ran 1.34 / 1.33 / 1.18x the model's forward (level at
     # 192-256; dense bf16 weights, ``--quantization none``: 1.28 / 1.20 / 0.96x); on the
-    # dot products (2-core Zen 4) 48 / 64 sequences 1.17 / 1.08x, 96 / 128 0.98 / 0.89x;
-    # elsewhere the fp32 tiles' cost grows with every row, and 32.
+    # dot products over Q4_1 layers (2-core Zen 4) 48 / 64 sequences 1.17 / 1.08x, 96 /
+    # 128 0.98 / 0.89x (over dense bf16 weights, which take fp32 tiles there, 48 / 64
+    # sequences 0.75 / 0.83x); elsewhere the fp32 tiles' cost grows with every row, and 32.
     MAX_BATCH_TILES: ClassVar[int] = 128
-    MAX_BATCH_DOTS: ClassVar[int] = 64
+    MAX_BATCH_DOTS_Q4: ClassVar[int] = 64
     MAX_BATCH: ClassVar[int] = 32
 
     def __init__(
@@ -198,12 +201,17 @@ class FusedDecoder:
         self.isa = level
         tiles = step.kv_bf16 and step.weights.head_dim % 64 == 0 and prefill_tiles(level)
         dots = step.kv_bf16 and step.weights.head_dim % 32 == 0 and level in _BF16_LEVELS
-        self.max_new = (
-            self.MAX_NEW if tiles else self.MAX_NEW_DOTS if dots else self.MAX_NEW_ROWWISE
-        )
+        lins = [w for x in step.weights.layers for w in (x.qkv, x.o, x.gate_up, x.down)]
+        q4 = dots and all(w.kind == BLOCK_KINDS["q4_1"] for w in lins)  # dpbf16.h's dp_q4_pass
+        if tiles:
+            self.max_new = self.MAX_NEW
+        elif dots:
+            self.max_new = self.MAX_NEW_DOTS_Q4 if q4 else self.MAX_NEW_DOTS
+        else:
+            self.max_new = self.MAX_NEW_ROWWISE
         if max_batch < 0:
             max_batch = (
-                self.MAX_BATCH_TILES if tiles else self.MAX_BATCH_DOTS if dots else self.MAX_BATCH
+                self.MAX_BATCH_TILES if tiles else self.MAX_BATCH_DOTS_Q4 if q4 else self.MAX_BATCH
             )
         self.max_batch = max_batch
         self.threads = ThreadChooser()

@@ -28,6 +28,7 @@ import torch
 from . import native
 
 __all__ = [
+    "BLOCK_KINDS",
     "QK",
     "Lin",
     "PackedWeight",
@@ -357,7 +358,7 @@ class Lin(ctypes.Structure):
 
 
 _DENSE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_BLOCK_KINDS = {"q4_1": 3, "q8_0": 4}
+BLOCK_KINDS = {"q4_1": 3, "q8_0": 4}  # Lin.kind of each block format (gemv.h)
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -367,7 +368,7 @@ def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
 def lin_blocks(w: PackedWeight, bias: torch.Tensor | None = None) -> Lin:
     """``w`` (and an fp32 copy of ``bias``) as a kernel descriptor."""
     b = _bias(bias)
-    lin = Lin(_BLOCK_KINDS[w.kind], w.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr(),
+    lin = Lin(BLOCK_KINDS[w.kind], w.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr(),
               0 if w.m is None else w.m.data_ptr(), 0 if b is None else b.data_ptr())  # fmt: skip
     lin.keep = tuple(t for t in (w.q, w.d, w.m, b) if t is not None)
     return lin

@@ -150,23 +150,29 @@ def test_short_prompts_and_extensions_of_a_cached_prefix(tiny_llama: Path) -> No
         assert (got - want).abs().max().item() < TOL, i
 
 
+@pytest.mark.parametrize("weights", ["dense", "blocks"])
 def test_extensions_attend_together_over_a_bf16_pool(
-    tiny_model_factory: Callable[..., Path],
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, weights: str
 ) -> None:
     """Over a bf16 pool, in the builds with AVX512-BF16, a sequence's 8 or more new
     tokens attend together as prompts do (flash.h: on AMX tiles where granted, else dot
     products), beside decodes, and give what they give a row at a time within bf16
     rounding (q, the probabilities and the output round to bf16; a step of 5 or more
-    rows rounds the o projection's input to bf16 too)."""
+    rows rounds the o projection's input to bf16 too). On the dot products a sequence
+    takes up to 32 new tokens a step over dense layers, 64 over Q4_1 layers."""
     path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
-    runner = make_runner(path, dtype="bfloat16")
+    opts: dict[str, str] = {}
+    if weights == "blocks":
+        path, opts = _block_model(path, tmp_path / "blocks"), {"quantization": "gguf"}
+    runner = make_runner(path, dtype="bfloat16", **opts)
     fused = runner.fused
     assert fused is not None
     level = fused.isa or native.best_isa().name
     if level not in ("avx512bf16", "amx"):
         pytest.skip(f"the {level} build attends a row at a time")
     tiles = fused.max_new == FusedDecoder.MAX_NEW
-    assert tiles or fused.max_new == FusedDecoder.MAX_NEW_DOTS == 64
+    dots = FusedDecoder.MAX_NEW_DOTS_Q4 if weights == "blocks" else FusedDecoder.MAX_NEW_DOTS
+    assert tiles or fused.max_new == dots
     pages = list(range(runner.pool.num_pages))
     random.Random(7).shuffle(pages)
     a, b, c = pages[:60], pages[60:80], pages[80:82]
@@ -177,8 +183,9 @@ def test_extensions_attend_together_over_a_bf16_pool(
         [SeqSpec(LONG[0][20:29], 620, a), SeqSpec([8], 42, b)],  # 9, across a page's end
         [SeqSpec(LONG[0][29:61], 629, a)],  # 32 rows
         [SeqSpec(LONG[0][61:66], 661, a), SeqSpec(LONG[0][70:79], 43, b)],  # 5 and 9
-        [SeqSpec(LONG[0][66:130], 666, a)],  # 64 rows
     ]
+    if weights == "blocks":
+        steps.append([SeqSpec(LONG[0][66:130], 666, a)])  # 64 rows
     for i, step in enumerate(steps):
         assert fused.accepts(step)
         before = runner.pool.kv.clone()
@@ -247,8 +254,8 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     fused = runner.fused
     assert fused is not None
     if fused.max_new != FusedDecoder.MAX_NEW:
-        dots = fused.max_new == FusedDecoder.MAX_NEW_DOTS
-        assert fused.max_batch == (FusedDecoder.MAX_BATCH_DOTS if dots else FusedDecoder.MAX_BATCH)
+        q4 = fused.max_new == FusedDecoder.MAX_NEW_DOTS_Q4  # Q4_1 layers on the dot products
+        assert fused.max_batch == (FusedDecoder.MAX_BATCH_DOTS_Q4 if q4 else FusedDecoder.MAX_BATCH)
         pytest.skip("no AMX tiles here (or the OS refused their state)")
     assert fused.max_batch == FusedDecoder.MAX_BATCH_TILES == 128
     plain = make_runner(path, dtype="bfloat16", fused_decode_max_batch=0, **opts)
