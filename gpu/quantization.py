@@ -185,23 +185,23 @@ class GGUFLinear(nn.Module):
         amx = dtype == torch.bfloat16 and qgemm.amx_ready()
         return self.AMX_MAX_ROWS if amx else self.KERNEL_MAX_ROWS
 
+    def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The block kernel's product, or None where it does not take ``x``."""
+        if x.shape[0] > self.max_rows(x.dtype):
+            return None
+        lin = self.lin_bf16 if x.dtype == torch.bfloat16 else self.lin
+        return qgemm.linear(x, lin, out_dtype=out_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows(x.dtype):
-            y = qgemm.linear(x, self.lin_bf16 if x.dtype == torch.bfloat16 else self.lin)
-            if y is not None:
-                return y
-        return self.dense(x)
+        y = self._kernel(x)
+        return y if y is not None else self.dense(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """As an LM head: fp32 logits, also for bf16 rows where the block kernel takes
         them. Rounded to bf16, logits near 25 lie 0.125 apart: two tokens tie where fp32
         tells them apart (the fused decode step's head is fp32 too)."""
-        if x.shape[0] <= self.max_rows(x.dtype):
-            lin = self.lin_bf16 if x.dtype == torch.bfloat16 else self.lin
-            y = qgemm.linear(x, lin, out_dtype=torch.float32)
-            if y is not None:
-                return y
-        return self.dense(x).float()
+        y = self._kernel(x, torch.float32)
+        return y if y is not None else self.dense(x).float()
 
 
 def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

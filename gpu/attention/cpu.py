@@ -16,8 +16,9 @@ and its prompts through ``cpu_prefill.c`` (bf16 products where the CPU has them,
 tiles do not take run torch's flash attention, ``torch_prompts_faster``); that
 decode kernel also takes windows and soft-capped scores, over bf16 or fp32 pages, so
 capped decodes of either pool run it (Gemma 2's decodes at batch 32 spent ~1.5 ms
-a layer in the torch path's gather, cap and softmax). Anything the kernels do not cover (other dtypes or devices, no C
-compiler, windowed or capped prompts) takes the torch path. (Decode-only steps of small batches skip the backend altogether:
+a layer in the torch path's gather, cap and softmax). Anything the kernels do not
+cover (other dtypes or devices, no C compiler, windowed or capped prompts) takes the
+torch path. (Decode-only steps of small batches skip the backend altogether:
 the fused step, ``gpu/fused_decode.py``, attends inside its one native call.)
 """
 
