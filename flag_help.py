@@ -25,7 +25,8 @@ FLAG_HELP: dict[str, str] = {
     "dtype": "auto (bf16 where the device has native bf16, else fp32), float32, bfloat16, ...",
     "device": "torch device for the worker (empty: the platform's)",
     "attention_backend": "attention backend (empty: the platform's default; see actorlm plugins)",
-    "quantization": "linear method: none, fp16, gguf, q8_0, q4_1, or a plugin's (empty: the platform's)",
+    "quantization": "linear method: none, fp16, gguf, q8_0, q4_1, gguf_a8 / q8_0_a8 / q4_1_a8 (int8 rows, "
+    "AVX512-VNNI), or a plugin's (empty: the platform's)",
     "page_size": "tokens per KV-cache page",
     "kv_cache_gb": "memory budget of the paged KV pool in GiB (0: the platform's)",
     "mem_fraction_static": "CUDA: share of free device memory for weights and KV pool",

@@ -252,6 +252,10 @@ def _actorlm_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list
     return [spec.python(), "-m", "actorlm.cli", *opts]
 
 
+def _actorlm_a8_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
+    return [*_actorlm_argv(spec, m, host, port), "--quantization", "gguf_a8"]
+
+
 def _omp_env(cpus: list[int]) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
 
@@ -372,6 +376,16 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             startup_timeout=300.0,
             extra_body=lambda n, m: {"ignore_eos": True},
         ),
+        "actorlm-a8": EngineSpec(
+            name="actorlm-a8",
+            label="actorlm gguf_a8",
+            note="`actorlm serve --quantization gguf_a8`: the blocks' rows quantized to int8",
+            argv=_actorlm_a8_argv,
+            dtypes=("auto", "float32", "bfloat16"),
+            venv=None,
+            startup_timeout=300.0,
+            extra_body=lambda n, m: {"ignore_eos": True},
+        ),
         "vllm": EngineSpec(
             name="vllm",
             label="vLLM (CPU)",
@@ -454,7 +468,7 @@ def plan_runs(
         if not spec.dtypes:
             runs.append(spec.variant("", cpus, suffix=False))
             continue
-        wanted = actorlm_dtypes if n == "actorlm" else peer_dtypes
+        wanted = actorlm_dtypes if n.startswith("actorlm") else peer_dtypes
         dtypes = list(dict.fromkeys(best if d == "best" else d for d in wanted))
         dtypes = [d for d in dtypes if d in spec.dtypes]
         for i, d in enumerate(dtypes):

@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port = free_port(args.host, args.port)
         argv_ = spec.argv(spec, files, args.host, port)
-        if spec.name == "actorlm" and args.actorlm_args:
+        if spec.name.startswith("actorlm") and args.actorlm_args:
             argv_ += args.actorlm_args.split()
         url = f"http://{args.host}:{port}"
         env = spec.run_env()

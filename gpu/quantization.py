@@ -33,9 +33,16 @@ Built in:
   (rounding off by at most ~1/254 of its block's largest magnitude), 5 for Q4_1 (~1/30
   of its block's range).
 
-fbgemm's int8 path (W8A8 dynamic) is faster still but quantizes activations per
-tensor to 7 bits; on the default model greedy tokens change from the first one,
-so it is not offered.
+- ``gguf_a8``, ``q8_0_a8``, ``q4_1_a8``: the same blocks, every row they meet (prompts
+  included: ``GGUFLinear.INT8_MAX_ROWS``) quantized to int8 per 32-wide block as
+  llama.cpp's CPU path quantizes it, on AVX512-VNNI's int8 dot products
+  (``kernels/dpi8.h``). Not exact: the default model's first-token logits land ~0.6-1.3
+  from the exact fp32 path's (bf16 rows: ~0.8), so near-ties may flip; decode at 8-64
+  rows runs ~1.4x ``gguf``'s on a Zen 4 (bench/README.md). CPUs without AVX512-VNNI and
+  VBMI refuse them at start-up.
+
+fbgemm's int8 path (W8A8 dynamic) quantizes activations per tensor to 7 bits; on the
+default model greedy tokens change from the first one, so it is not offered.
 
 A plugin adds a method with ``QUANTIZATION_METHODS.register(name, cls)``: a
 ``LinearMethod`` subclass whose ``convert`` turns a weight (and bias) into a module.
@@ -50,18 +57,21 @@ import torch
 from actorlm.extensions.points import QUANTIZATION_METHODS
 from torch import nn
 
-from .kernels import qgemm
+from .kernels import native, qgemm
 from .kernels.qgemm import PackedWeight
 
 __all__ = [
     "BlockQuantMethod",
     "Fp16Linear",
     "Fp16Method",
+    "GGUFA8Method",
     "GGUFLinear",
     "GGUFMethod",
     "LinearMethod",
     "NoQuantization",
+    "Q4_1A8Method",
     "Q4_1Method",
+    "Q8_0A8Method",
     "Q8_0Method",
     "fbgemm_available",
     "native_lin",
@@ -169,10 +179,18 @@ class GGUFLinear(nn.Module):
     # between 44 and 48 rows.
     AMX_MAX_ROWS: ClassVar[int] = 48
 
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, dense: nn.Module) -> None:
+    # Rows quantized to int8 (``int8``): the kernel's int8 dot products beat oneDNN's
+    # bf16 GEMM over the dense copy at every batch measured, prompts included.
+    INT8_MAX_ROWS: ClassVar[int] = 1 << 30
+
+    def __init__(
+        self, packed: PackedWeight, bias: torch.Tensor | None, dense: nn.Module, int8: bool = False
+    ) -> None:
         super().__init__()
         self.packed = packed
         self.lin = qgemm.lin_blocks(packed, bias)  # the bias rides in it, fp32
+        self.lin.act_int8 = int(int8)
+        self.int8 = int8
         self.dense = dense
         # the same weight for bf16 rows: rounding them to bf16 changes nothing, and
         # lets the kernel take its bf16 paths (dot products, AMX tiles)
@@ -182,6 +200,8 @@ class GGUFLinear(nn.Module):
 
     def max_rows(self, dtype: torch.dtype) -> int:
         """The most rows of ``dtype`` the block kernel takes; more go to ``dense``."""
+        if self.int8:
+            return self.INT8_MAX_ROWS
         amx = dtype == torch.bfloat16 and qgemm.amx_ready()
         return self.AMX_MAX_ROWS if amx else self.KERNEL_MAX_ROWS
 
@@ -212,11 +232,22 @@ def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
+def _check_int8(name: str) -> None:
+    if not qgemm.int8_ready():
+        raise ValueError(
+            f"quantization {name!r} needs a CPU with AVX512-VNNI and VBMI (the kernels' "
+            f"avx512bf16 or amx build); this one builds {native.best_isa().name!r}"
+        )
+
+
 class GGUFMethod(Fp16Method):
     name = "gguf"
     dtype: torch.dtype = torch.float32  # the compute dtype, set by check
+    int8: ClassVar[bool] = False  # block linears quantize their rows to int8
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        if self.int8:
+            _check_int8(self.name)
         if device.type == "cpu" and dtype == torch.bfloat16:
             self.dtype = dtype  # dense layers: torch's bf16 GEMM, no fbgemm needed
             return
@@ -232,7 +263,12 @@ class GGUFMethod(Fp16Method):
         else:
             dense = _plain_linear(weight.to(self.dtype), bias)
         packed = qgemm.pack(weight)
-        return dense if packed is None else GGUFLinear(packed, bias, dense)
+        return dense if packed is None else GGUFLinear(packed, bias, dense, self.int8)
+
+
+class GGUFA8Method(GGUFMethod):
+    name = "gguf_a8"
+    int8 = True
 
 
 class BlockQuantMethod(LinearMethod):
@@ -244,6 +280,7 @@ class BlockQuantMethod(LinearMethod):
 
     kind: ClassVar[str] = ""  # "q8_0" or "q4_1"
     dtype: torch.dtype = torch.float32  # the compute dtype, set by check
+    int8: ClassVar[bool] = False  # block linears quantize their rows to int8
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -251,6 +288,8 @@ class BlockQuantMethod(LinearMethod):
                 f"quantization {self.name!r} runs on the CPU in float32 or bfloat16, "
                 f"not {device} {dtype}"
             )
+        if self.int8:
+            _check_int8(self.name)
         self.dtype = dtype
 
     def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -262,7 +301,7 @@ class BlockQuantMethod(LinearMethod):
         packed = qgemm.quantize(weight, self.kind, rounded)
         if packed is None:
             return _plain_linear(weight.to(self.dtype), bias)
-        return GGUFLinear(packed, bias, _plain_linear(rounded, bias))
+        return GGUFLinear(packed, bias, _plain_linear(rounded, bias), self.int8)
 
 
 class Q8_0Method(BlockQuantMethod):
@@ -273,6 +312,16 @@ class Q8_0Method(BlockQuantMethod):
 class Q4_1Method(BlockQuantMethod):
     name = "q4_1"
     kind = "q4_1"
+
+
+class Q8_0A8Method(Q8_0Method):
+    name = "q8_0_a8"
+    int8 = True
+
+
+class Q4_1A8Method(Q4_1Method):
+    name = "q4_1_a8"
+    int8 = True
 
 
 def native_lin(module: nn.Module) -> qgemm.Lin | None:
@@ -319,8 +368,20 @@ QUANTIZATION_METHODS.register_builtin(
     help="a GGUF's Q4_1/Q8_0 blocks, exact, for decode; fp16 (float32) or bf16 GEMMs for prefill (CPU)",
 )
 QUANTIZATION_METHODS.register_builtin(
+    "gguf_a8",
+    GGUFA8Method,
+    help="as gguf, the blocks' rows quantized to int8 per 32 (llama.cpp's CPU arithmetic; "
+    "AVX512-VNNI: faster, not exact)",
+)
+QUANTIZATION_METHODS.register_builtin(
     "q8_0", Q8_0Method, help="any checkpoint's weights rounded to Q8_0 blocks as they load (CPU)"
 )
 QUANTIZATION_METHODS.register_builtin(
     "q4_1", Q4_1Method, help="any checkpoint's weights rounded to Q4_1 blocks as they load (CPU)"
+)
+QUANTIZATION_METHODS.register_builtin(
+    "q8_0_a8", Q8_0A8Method, help="as q8_0, the rows quantized to int8 per 32 (as gguf_a8)"
+)
+QUANTIZATION_METHODS.register_builtin(
+    "q4_1_a8", Q4_1A8Method, help="as q4_1, the rows quantized to int8 per 32 (as gguf_a8)"
 )

@@ -10,41 +10,60 @@
 #include <stdlib.h>
 #include "gemv.h"
 
-/* Returns 0, or -1 when the bf16 staging buffers could not be allocated. */
+/* n bf16 values widened to fp32, and back (rounding to nearest even) */
+static void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) *(vf *)(dst + i) = load_bf16(src + i);
+    for (; i < n; i++) dst[i] = bf16_f32(src[i]);
+}
+static void narrow_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) store_bf16(dst + i, *(const vf *)(src + i));
+    for (; i < n; i++) dst[i] = f32_bf16(src[i]);
+}
+
+/* The calling thread's staging for bf16 rows and results as fp32, kept between calls
+   up to STAGE_KEEP bytes: allocated anew, a prompt's 1.2 MB buffers faulted their pages
+   in at every call. */
+#define STAGE_KEEP ((size_t)64 << 20)
+static __thread void *stage_buf;
+static __thread size_t stage_bytes;
+static char *staging(size_t bytes) { return grow_buffer(&stage_buf, &stage_bytes, bytes); }
+
+/* Returns 0, or -1 when the bf16 staging buffers could not be allocated. bf16 rows
+   widen to fp32 a share of the rows a thread, and each thread rounds its own columns
+   of the result back. */
 int actorlm_linear(const lin_t *L, const void *x, int64_t x_bf16, int64_t M, int64_t xs, void *y,
                    int64_t y_bf16, int64_t ys, int threads) {
     const int64_t N = L->n, K = L->k;
-    const float *xf = (const float *)x;
-    float *yf = (float *)y, *xbuf = NULL, *ybuf = NULL;
-    if (x_bf16) {
-        xbuf = malloc(sizeof(float) * (size_t)(M * K));
-        if (xbuf == NULL) return -1;
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t k = 0; k < K; k++) xbuf[r * K + k] = bf16_f32(((const uint16_t *)x)[r * xs + k]);
-        xf = xbuf, xs = K;
-    }
-    if (y_bf16) {
-        ybuf = malloc(sizeof(float) * (size_t)(M * N));
-        if (ybuf == NULL) {
-            free(xbuf);
-            return -1;
-        }
-        yf = ybuf;
-    }
-    const int64_t yfs = y_bf16 ? N : ys;
+    const size_t xbytes = x_bf16 ? ((size_t)(M * K) * 4 + 63) / 64 * 64 : 0;
+    char *stage = (x_bf16 || y_bf16) ? staging(xbytes + (y_bf16 ? (size_t)(M * N) * 4 : 0)) : NULL;
+    if ((x_bf16 || y_bf16) && stage == NULL) return -1;
+    float *xbuf = x_bf16 ? (float *)stage : NULL, *ybuf = y_bf16 ? (float *)(stage + xbytes) : NULL;
+    const float *xf = x_bf16 ? xbuf : (const float *)x;
+    float *yf = y_bf16 ? ybuf : (float *)y;
+    const int64_t xfs = x_bf16 ? K : xs, yfs = y_bf16 ? N : ys;
     /* waking the pool costs more than a small layer's work on one thread */
     const int nt = N * K * M < 65536 ? 1 : threads;
 #pragma omp parallel num_threads(nt)
     {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        if (x_bf16) {
+            for (int64_t r = M * t / team; r < M * (t + 1) / team; r++)
+                widen_bf16((const uint16_t *)x + r * xs, xbuf + r * K, K);
+#pragma omp barrier
+        }
         int64_t c0, c1;
-        lin_part(N, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
-        lin_cols(L, xf, M, xs, c0, c1, yf, yfs);
+        lin_part(N, t, team, &c0, &c1);
+        lin_cols(L, xf, M, xfs, c0, c1, yf, yfs);
+        if (y_bf16 && c1 > c0)
+            for (int64_t r = 0; r < M; r++)
+                narrow_bf16(ybuf + r * N + c0, (uint16_t *)y + r * ys + c0, c1 - c0);
     }
-    if (y_bf16)
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t n = 0; n < N; n++) ((uint16_t *)y)[r * ys + n] = f32_bf16(ybuf[r * N + n]);
-    free(xbuf);
-    free(ybuf);
+    if (stage_bytes > STAGE_KEEP) { /* a rare large call: give it back */
+        free(stage_buf);
+        stage_buf = NULL, stage_bytes = 0;
+    }
     return 0;
 }
 
@@ -53,6 +72,15 @@ int actorlm_linear(const lin_t *L, const void *x, int64_t x_bf16, int64_t M, int
 int actorlm_amx_ready(void) {
 #if defined(__AMX_BF16__)
     return amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* 1 where this build quantizes the rows of linears with act_int8 to int8 (dpi8.h). */
+int actorlm_int8_ready(void) {
+#if defined(ACTORLM_INT8)
+    return 1;
 #else
     return 0;
 #endif

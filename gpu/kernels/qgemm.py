@@ -35,6 +35,7 @@ __all__ = [
     "amx_ready",
     "dequantize_blocks",
     "gemm",
+    "int8_ready",
     "lin_blocks",
     "lin_dense",
     "linear",
@@ -352,6 +353,7 @@ class Lin(ctypes.Structure):
         ("m", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
         ("act_bf16", ctypes.c_int64),  # x may round to bf16 (a bf16 model): dot products
+        ("act_int8", ctypes.c_int64),  # blocks: x may be quantized to int8 (dpi8.h)
     ]
 
     keep: tuple[torch.Tensor, ...] = ()
@@ -404,6 +406,14 @@ def amx_ready(level: str = "") -> bool:
     tiles: an amx build, on a CPU whose kernel grants the tile state."""
     lib = native_qgemm(level)
     return lib is not None and bool(lib.actorlm_amx_ready())
+
+
+@cache
+def int8_ready(level: str = "") -> bool:
+    """Whether the build for ``level`` (default: the best here) runs block weights over
+    rows quantized to int8 (``Lin.act_int8``; AVX512-VNNI and VBMI, dpi8.h)."""
+    lib = native_qgemm(level)
+    return lib is not None and bool(lib.actorlm_int8_ready())
 
 
 def linear(

@@ -10,8 +10,10 @@ from actorlm.gpu.kernels import native
 
 # /proc/cpuinfo flags of the CPUs CI meets, cut to what matters here
 AVX2_EPYC = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}
-ZEN5 = AVX2_EPYC | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
-SAPPHIRE_RAPIDS = ZEN5 | {"avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
+AVX512 = AVX2_EPYC | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+ZEN5 = AVX512 | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
+SAPPHIRE_RAPIDS = ZEN5 | {"amx_tile", "amx_bf16", "amx_int8"}
+COOPER_LAKE = AVX512 | {"avx512_bf16", "avx512_vnni"}  # bf16 without VBMI
 
 
 @pytest.mark.parametrize(
@@ -21,7 +23,9 @@ SAPPHIRE_RAPIDS = ZEN5 | {"avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
         (ZEN5, True, "avx512bf16"),
         (SAPPHIRE_RAPIDS, True, "amx"),
         (SAPPHIRE_RAPIDS - {"amx_bf16"}, True, "avx512bf16"),  # AMX tiles without bf16
-        (ZEN5 - {"avx512_bf16"}, True, "avx512"),  # Skylake-X, Ice Lake: no bf16 dot product
+        (ZEN5 - {"avx512_bf16"}, True, "avx512"),  # Ice Lake: no bf16 dot product
+        (AVX512, True, "avx512"),  # Skylake-X: no VNNI either
+        (COOPER_LAKE, True, "avx512"),  # the bf16 levels' int8 kernels need VBMI too
         (ZEN5 - {"avx512vl"}, True, "avx2"),  # Knights Landing: F and CD, no VL/BW/DQ
         (AVX2_EPYC - {"fma"}, True, "generic"),
         (set(), True, "generic"),

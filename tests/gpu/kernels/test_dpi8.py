@@ -1,0 +1,168 @@
+"""Rows quantized to int8 against block weights (dpi8.h, the ``*_a8`` linear methods):
+each build against torch's fp64 matmul of the rows quantized the same way (per 32-wide
+block, scale max|x| / 127, round to nearest even); the builds without the int8 kernels
+ignore the flag. Then the methods on a model: a tiny model of block weights against
+transformers, its fused decode step against its own forward, and a clear refusal on
+a CPU without the kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from actorlm.gpu.forward_meta import SeqSpec
+from actorlm.gpu.fused_decode import FusedDecoder
+from actorlm.gpu.kernels import qgemm
+from actorlm.gpu.kernels.qgemm import QK, int8_ready, lin_blocks, linear, native_qgemm, pack
+from actorlm.gpu.quantization import QUANTIZATION_METHODS, GGUFLinear
+
+from ..helpers import (
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_D,
+    Pages,
+    greedy,
+    hf_greedy,
+    hf_last_logits,
+    hf_model,
+    make_runner,
+)
+from .levels import LEVELS
+from .test_dpbf16 import _forced_logits
+from .test_qgemm import _block_model, blocks
+
+pytestmark = pytest.mark.skipif(native_qgemm() is None, reason="needs a C compiler")
+needs_int8 = pytest.mark.skipif(not int8_ready(), reason="this CPU lacks AVX512-VNNI or VBMI")
+
+
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] as the kernel quantizes it, back in fp32: q * d per 32-wide block."""
+    rows, k = x.shape
+    xb = x.float().reshape(rows, k // QK, QK)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    assert q.numel() == 0 or q.abs().max() <= 127
+    return (q * d).reshape(rows, k)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_rows_quantize_to_int8_and_meet_the_exact_blocks(level: str, kind: str) -> None:
+    """With ``act_int8`` the builds with the int8 kernels quantize every row count's x
+    (none at all, strided rows and a block of zeros, scale 0, included) and sum exact
+    integer products scaled in fp32: fp64's matmul of the quantized rows to fp32's
+    tolerance. The other builds keep fp32 rows."""
+    w = blocks((77, 1088), kind, seed=6)  # 77 output rows: a part group; 34 blocks
+    packed = pack(w)
+    assert packed is not None
+    b = torch.randn(77)
+    lin = lin_blocks(packed, b)
+    lin.act_int8 = 1
+    g = torch.Generator().manual_seed(7)
+    for rows in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 70):
+        wide = torch.randn(rows, 1100, generator=g)
+        wide[:1, 5 + 64 : 5 + 96] = 0  # row 0's third block
+        x = wide[:, 5:1093]  # row stride 1100
+        got = linear(x, lin, level)
+        assert got is not None
+        xq = quantized(x) if int8_ready(level) else x
+        want = (xq.double() @ w.double().T + b.double()).float()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-4)
+        if int8_ready(level) and rows:  # and it did quantize: ~0.5% of the scale from fp32 rows
+            assert (got - F.linear(x, w, b)).abs().max() > 1e-2
+
+
+@needs_int8
+def test_bf16_rows_quantize_from_their_own_values() -> None:
+    w = blocks((40, 256), "q4_1", seed=3)
+    packed = pack(w)
+    assert packed is not None
+    lin = lin_blocks(packed)
+    lin.act_int8 = 1
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = linear(x, lin, out_dtype=torch.float32)
+    assert got is not None
+    want = (quantized(x).double() @ w.double().T).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-4)
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_a8_matches_transformers_on_block_weights(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, dtype: str
+) -> None:
+    """Every linear of a tiny model of Q4_1 layers and a Q8_0 head on int8 rows, prompts
+    included: last logits within 3% of the scale of transformers' fp32 ones (measured
+    ~1.5%; ``gguf`` in bf16 ~0.8%), 32 greedy tokens equal, and not ``gguf``'s logits."""
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    runner = make_runner(path, quantization="gguf_a8", dtype=dtype)
+    layers = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
+    assert len(layers) == 4 * runner.info.num_layers + 1
+    assert all(m.int8 and m.lin.act_int8 == 1 for m in layers)
+    exact = make_runner(path, quantization="gguf", dtype=dtype)
+    ref = hf_model(path)
+    pages = Pages()
+    for i, prompt in enumerate((PROMPT_A, PROMPT_B, PROMPT_D)):
+        want = hf_last_logits(ref, prompt)
+        got = runner.run([runner_seq(pages, f"a{i}", prompt)])[0]
+        other = exact.run([runner_seq(pages, f"e{i}", prompt)])[0]
+        assert (got - want).abs().max() < 0.03 * want.abs().max(), i
+        assert (got - other).abs().max() > 1e-3, i
+    assert greedy(runner, "g", PROMPT_B, 32, pages) == hf_greedy(ref, PROMPT_B, 32)
+
+
+def runner_seq(pages: Pages, name: str, prompt: list[int]) -> SeqSpec:
+    return SeqSpec(prompt, 0, pages.table(name, len(prompt)))
+
+
+@needs_int8
+@pytest.mark.parametrize("method", ["q4_1_a8", "q8_0_a8"])
+def test_checkpoint_blocks_on_int8_rows(
+    tiny_model_factory: Callable[..., Path], method: str
+) -> None:
+    """An HF checkpoint rounded to blocks as it loads, its rows then quantized: int8
+    rows move the logits less than the blocks' rounding of the weights does (the same
+    blocks on exact rows, ``q4_1`` / ``q8_0``, against the unrounded model)."""
+    path = tiny_model_factory("llama")
+    pages = Pages()
+    got, blocks_only, full = (
+        make_runner(path, quantization=q).run([runner_seq(pages, q, PROMPT_A)])[0]
+        for q in (method, method.removesuffix("_a8"), "none")
+    )
+    assert 1e-4 < (got - blocks_only).abs().max() < (blocks_only - full).abs().max()
+
+
+@needs_int8
+def test_a8_step_of_ragged_sequences_matches_the_model(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The fused decode step at batch 32 on int8 rows against the model's forward on
+    int8 rows (the forward rounds to bf16 between linears, the step keeps fp32, so a
+    row's int8 codes may differ by one): within 3% of the scale."""
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    opts = {"dtype": "bfloat16", "quantization": "gguf_a8", "num_pages": 8 * 32}
+    g = torch.Generator().manual_seed(8)
+    lens = torch.randint(1, 100, (32,), generator=g).tolist()
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+    tokens = torch.randint(3, 1000, (3, 32), generator=g).tolist()
+    want = _forced_logits(make_runner(path, fused_decode_max_batch=0, **opts), prompts, tokens)
+    runner = make_runner(path, fused_decode_max_batch=32, **opts)
+    runner.fused, why = FusedDecoder.build(runner.model, runner.backend, 32)
+    assert runner.fused is not None, why
+    assert all(x.qkv.act_int8 and x.down.act_int8 for x in runner.fused.step.weights.layers)
+    got = _forced_logits(runner, prompts, tokens)
+    scale = max(w.abs().max().item() for w in want)
+    err = max((a - w).abs().max().item() for a, w in zip(got, want, strict=True))
+    assert err <= 0.03 * scale, (err, scale)
+
+
+@pytest.mark.parametrize("method", ["gguf_a8", "q4_1_a8", "q8_0_a8"])
+def test_a8_methods_refuse_a_cpu_without_the_int8_kernels(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    monkeypatch.setattr(qgemm, "int8_ready", lambda level="": False)
+    with pytest.raises(ValueError, match=f"quantization '{method}' needs a CPU with AVX512-VNNI"):
+        QUANTIZATION_METHODS.get(method)().check(torch.device("cpu"), torch.bfloat16)
