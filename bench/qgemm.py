@@ -3,7 +3,9 @@ the GGUF block kernel (``gpu/kernels/cpu_qgemm.c``) in each ISA build this CPU r
 each on that layer's own weights.
 
 Sets ``GGUFLinear.KERNEL_MAX_ROWS``: the kernel wins while a batch is small
-(decode), fbgemm's fp16 GEMM once it is large (prefill).
+(decode), fbgemm's fp16 GEMM once it is large (prefill). Where the best build has
+them, two more columns: the blocks against rows rounded to bf16 (``act_bf16``, a bf16
+model's path) and quantized to int8 (``act_int8``, the ``*_a8`` methods).
 
     python bench/qgemm.py                       # rows 1 2 4 8 16 32 64 256
     python bench/qgemm.py --rows 8 --layers blk.0.ffn_down.weight
@@ -27,7 +29,7 @@ if str(REPO) not in sys.path:  # `python bench/qgemm.py` from anywhere
 from actorlm.config import ModelConfig  # noqa: E402
 from actorlm.gpu.gguf_file import GGUFFile  # noqa: E402
 from actorlm.gpu.kernels import native  # noqa: E402
-from actorlm.gpu.kernels.qgemm import lin_blocks, linear, pack  # noqa: E402
+from actorlm.gpu.kernels.qgemm import Lin, int8_ready, lin_blocks, linear, pack  # noqa: E402
 from actorlm.gpu.loaders.base import model_path  # noqa: E402
 from actorlm.gpu.quantization import Fp16Linear  # noqa: E402
 
@@ -62,9 +64,13 @@ def main() -> None:
     levels = [i.name for i in native.supported_isas(native.cpu_flags(), native._is_x86())]
     levels = [lv for lv in levels if lv != "generic"] or ["generic"]
     best = native.best_isa().name
-    cols = " | ".join(f"blocks {lv} ms" for lv in levels)
+    rows_as = (["bf16"] if best in ("avx512bf16", "amx") else []) + (
+        ["int8"] if int8_ready() else []
+    )
+    names = [f"blocks {lv}" for lv in levels] + [f"{a} rows {best}" for a in rows_as]
+    cols = " | ".join(f"{n} ms" for n in names)
     print(f"| layer | N x K | format | rows | fp32 ms | fp16 ms | {cols} | fp16 / blocks {best} |")
-    print("|---|---|---|---:|---:|---:|" + "---:|" * (len(levels) + 1))
+    print("|---|---|---|---:|---:|---:|" + "---:|" * (len(names) + 1))
     for name in args.layers.split(","):
         w = torch.from_numpy(file.dequantize(name).copy()).float()
         packed = pack(w)
@@ -73,6 +79,9 @@ def main() -> None:
             continue
         fp16 = Fp16Linear(w, None)
         lin = lin_blocks(packed)
+        lins = {a: Lin.from_buffer_copy(lin) for a in rows_as}
+        for a, copy in lins.items():
+            setattr(copy, f"act_{a}", 1)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, w.shape[1])
             ms = {
@@ -83,9 +92,13 @@ def main() -> None:
                 ms[f"blocks {lv}"] = best_ms(
                     lambda x, lv=lv, lin=lin: linear(x, lin, lv), x, args.min_time
                 )
+            for a, copy in lins.items():
+                ms[f"{a} rows {best}"] = best_ms(
+                    lambda x, copy=copy: linear(x, copy), x, args.min_time
+                )
             results.append({"layer": name, "shape": list(w.shape), "kind": packed.kind,
                             "rows": rows, "ms": ms})  # fmt: skip
-            blocks = " | ".join(f"{ms[f'blocks {lv}']:.3f}" for lv in levels)
+            blocks = " | ".join(f"{ms[n]:.3f}" for n in names)
             print(
                 f"| {name} | {w.shape[0]} x {w.shape[1]} | {packed.kind} | {rows} | "
                 f"{ms['fp32']:.3f} | {ms['fp16']:.3f} | {blocks} | "

@@ -36,6 +36,7 @@ static char *staging(size_t bytes) { return grow_buffer(&stage_buf, &stage_bytes
 int actorlm_linear(const lin_t *L, const void *x, int64_t x_bf16, int64_t M, int64_t xs, void *y,
                    int64_t y_bf16, int64_t ys, int threads) {
     const int64_t N = L->n, K = L->k;
+    if (M == 0 || N == 0) return 0;
     const size_t xbytes = x_bf16 ? ((size_t)(M * K) * 4 + 63) / 64 * 64 : 0;
     char *stage = (x_bf16 || y_bf16) ? staging(xbytes + (y_bf16 ? (size_t)(M * N) * 4 : 0)) : NULL;
     if ((x_bf16 || y_bf16) && stage == NULL) return -1;

@@ -87,6 +87,9 @@ def test_bf16_rows_quantize_from_their_own_values() -> None:
     assert got is not None
     want = (quantized(x).double() @ w.double().T).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-4)
+    for out in (torch.float32, torch.bfloat16):  # no rows: nothing staged, nothing to do
+        none = linear(x[:0], lin, out_dtype=out)
+        assert none is not None and none.shape == (0, 40)
 
 
 @needs_int8

@@ -210,6 +210,17 @@ def test_each_isa_build_reads_dense_rows(level: str, dtype: torch.dtype) -> None
             torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_no_rows_in_any_dtype(level: str) -> None:
+    """A batch with no rows (an LM head no sequence needs logits from) returns an empty
+    result in every dtype pairing, with nothing staged."""
+    lin = lin_blocks(pack(blocks((40, 64), "q4_1")))  # type: ignore[arg-type]
+    for x_dtype in (torch.float32, torch.bfloat16):
+        for out in (torch.float32, torch.bfloat16):
+            got = linear(torch.randn(0, 64).to(x_dtype), lin, level, out_dtype=out)
+            assert got is not None and got.shape == (0, 40) and got.dtype == out
+
+
 def test_the_block_builds_agree_bit_for_bit() -> None:
     """avx2 expands 8 rows a vector and avx512 16, in the same order lane by lane."""
     here = native.supported_isas(native.cpu_flags(), native._is_x86())
