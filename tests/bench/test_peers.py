@@ -50,3 +50,14 @@ def test_cpu_lists_in_the_form_omp_reads() -> None:
     assert peers.cpu_list([0, 1]) == "0-1"
     assert peers.cpu_list([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
     assert peers.cpu_list([3]) == "3"
+
+
+def test_actorlm_on_int8_rows_runs_in_actorlm_dtypes_with_its_method() -> None:
+    runs = peers.plan_runs(
+        ["actorlm", "actorlm-a8"], peers.engines(), ["best"], ["auto"], [0, 1], "bfloat16"
+    )
+    assert [(r.name, r.dtype) for r in runs] == [("actorlm", "auto"), ("actorlm-a8", "auto")]
+    argv = runs[1].argv(runs[1], FILES, "127.0.0.1", 9)
+    assert argv[argv.index("--quantization") + 1] == "gguf_a8"
+    assert argv[argv.index("--num-threads") + 1] == "2"
+    assert "--quantization" not in runs[0].argv(runs[0], FILES, "127.0.0.1", 9)
