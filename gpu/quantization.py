@@ -36,10 +36,11 @@ Built in:
 - ``gguf_a8``, ``q8_0_a8``, ``q4_1_a8``: the same blocks, every row they meet (prompts
   included: ``GGUFLinear.INT8_MAX_ROWS``) quantized to int8 per 32-wide block as
   llama.cpp's CPU path quantizes it, on AVX512-VNNI's int8 dot products
-  (``kernels/dpi8.h``). Not exact: the default model's first-token logits land ~0.6-1.3
+  (``kernels/dpi8.h``; AVX2's byte products in the avx2 and avx512 builds,
+  ``kernels/dpi8_avx2.h``). Not exact: the default model's first-token logits land ~0.6-1.3
   from the exact fp32 path's (bf16 rows: ~0.8), so near-ties may flip; decode at 8-64
-  rows runs ~1.4x ``gguf``'s on a Zen 4 (bench/README.md). CPUs without AVX512-VNNI and
-  VBMI refuse them at start-up.
+  rows runs ~1.4x ``gguf``'s on a Zen 4 (bench/README.md). The generic build (no AVX2)
+  refuses them at start-up.
 
 fbgemm's int8 path (W8A8 dynamic) quantizes activations per tensor to 7 bits; on the
 default model greedy tokens change from the first one, so it is not offered.
@@ -235,8 +236,8 @@ def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 def _check_int8(name: str) -> None:
     if not qgemm.int8_ready():
         raise ValueError(
-            f"quantization {name!r} needs a CPU with AVX512-VNNI and VBMI (the kernels' "
-            f"avx512bf16 or amx build); this one builds {native.best_isa().name!r}"
+            f"quantization {name!r} needs the kernels' int8 dot products (AVX2 or better); "
+            f"this CPU builds {native.best_isa().name!r}"
         )
 
 
@@ -371,7 +372,7 @@ QUANTIZATION_METHODS.register_builtin(
     "gguf_a8",
     GGUFA8Method,
     help="as gguf, the blocks' rows quantized to int8 per 32 (llama.cpp's CPU arithmetic; "
-    "AVX512-VNNI: faster, not exact)",
+    "AVX2 or AVX512-VNNI: faster, not exact)",
 )
 QUANTIZATION_METHODS.register_builtin(
     "q8_0", Q8_0Method, help="any checkpoint's weights rounded to Q8_0 blocks as they load (CPU)"

@@ -17,7 +17,8 @@
  *     same order: their results are equal bit for bit.
  *
  * Where the linear allows x to be quantized to int8 (`act_int8`), the builds with
- * AVX512-VNNI and VBMI take every row count through dpi8.h's int8 dot products.
+ * AVX512-VNNI and VBMI take every row count through dpi8.h's int8 dot products, the
+ * other AVX2 builds through dpi8_avx2.h's byte products.
  * Builds with AVX512-BF16 take Q4_1 weights at any row count and Q8_0 weights at 5
  * rows or more through dpbf16.h's bf16 dot products instead, where the linear allows x
  * to round to bf16 (`act_bf16`), and builds with AMX take both from 5 rows through
@@ -241,6 +242,9 @@ static inline __attribute__((always_inline)) void tile16(
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define ACTORLM_INT8 1
 #include "dpi8.h"
+#elif defined(__AVX2__)
+#define ACTORLM_INT8 1
+#include "dpi8_avx2.h"
 #endif
 
 /* Groups [g0, g1) of a block weight, all M rows of x. */

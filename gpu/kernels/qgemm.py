@@ -411,7 +411,8 @@ def amx_ready(level: str = "") -> bool:
 @cache
 def int8_ready(level: str = "") -> bool:
     """Whether the build for ``level`` (default: the best here) runs block weights over
-    rows quantized to int8 (``Lin.act_int8``; AVX512-VNNI and VBMI, dpi8.h)."""
+    rows quantized to int8 (``Lin.act_int8``: dpi8.h, dpi8_avx2.h; every build but
+    the generic one)."""
     lib = native_qgemm(level)
     return lib is not None and bool(lib.actorlm_int8_ready())
 
