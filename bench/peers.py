@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -201,12 +201,10 @@ class EngineSpec:
     def variant(self, dtype: str, threads: list[int], suffix: bool) -> EngineSpec:
         """This engine in ``dtype`` on ``threads``; ``suffix`` names it by its dtype
         (``vllm[bfloat16]``), for runs of one engine in several."""
-        import dataclasses
-
         name, label = self.name, self.label
         if suffix and dtype:
             name, label = f"{name}[{dtype}]", f"{label} {dtype}"
-        return dataclasses.replace(self, name=name, label=label, dtype=dtype, threads=threads)
+        return replace(self, name=name, label=label, dtype=dtype, threads=threads)
 
     def run_env(self) -> dict[str, str]:
         """Its environment defaults: its own, and those that give it ``threads``."""
@@ -365,26 +363,24 @@ def _llamacpp_extra(n: int, m: ModelFiles) -> dict[str, Any]:
 
 
 def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
+    actorlm = EngineSpec(
+        name="actorlm",
+        label="actorlm",
+        note="`actorlm serve` on the GGUF",
+        argv=_actorlm_argv,
+        dtypes=("auto", "float32", "bfloat16"),
+        venv=None,
+        startup_timeout=300.0,
+        extra_body=lambda n, m: {"ignore_eos": True},
+    )
     return {
-        "actorlm": EngineSpec(
-            name="actorlm",
-            label="actorlm",
-            note="`actorlm serve` on the GGUF",
-            argv=_actorlm_argv,
-            dtypes=("auto", "float32", "bfloat16"),
-            venv=None,
-            startup_timeout=300.0,
-            extra_body=lambda n, m: {"ignore_eos": True},
-        ),
-        "actorlm-a8": EngineSpec(
+        "actorlm": actorlm,
+        "actorlm-a8": replace(
+            actorlm,
             name="actorlm-a8",
             label="actorlm gguf_a8",
             note="`actorlm serve --quantization gguf_a8`: the blocks' rows quantized to int8",
             argv=_actorlm_a8_argv,
-            dtypes=("auto", "float32", "bfloat16"),
-            venv=None,
-            startup_timeout=300.0,
-            extra_body=lambda n, m: {"ignore_eos": True},
         ),
         "vllm": EngineSpec(
             name="vllm",
