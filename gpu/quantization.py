@@ -247,13 +247,11 @@ class GGUFMethod(Fp16Method):
     int8: ClassVar[bool] = False  # block linears quantize their rows to int8
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        if device.type != "cpu" or dtype != torch.bfloat16:
+            super().check(device, dtype)  # bf16 dense layers: torch's GEMM, no fbgemm
+        self.dtype = dtype
         if self.int8:
             _check_int8(self.name)
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            self.dtype = dtype  # dense layers: torch's bf16 GEMM, no fbgemm needed
-            return
-        super().check(device, dtype)
-        self.dtype = dtype
 
     def load_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # the blocks are found in the file's exact values
