@@ -47,6 +47,8 @@ def _shape(m: nn.Module) -> tuple[int, int]:
 def _dense_bytes(m: nn.Module) -> int:
     """What the layer reads for a batch beyond the block kernel's rows."""
     if isinstance(m, GGUFLinear):
+        if m.dense is None:  # int8 rows: the blocks at every batch
+            return sum(t.nbytes for t in m.lin.keep)
         return _dense_bytes(m.dense)
     n, k = _shape(m)
     if isinstance(m, Fp16Linear | OneDNNLinear):
@@ -61,7 +63,7 @@ def decode_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     small = runner.fused is not None and batch <= runner.fused.max_batch
     total = 0
     for m in _linears(runner.model):
-        if small or (isinstance(m, GGUFLinear) and batch <= GGUFLinear.KERNEL_MAX_ROWS):
+        if small or (isinstance(m, GGUFLinear) and (m.int8 or batch <= GGUFLinear.KERNEL_MAX_ROWS)):
             lin = native_lin(m)
             assert lin is not None
             total += sum(t.nbytes for t in lin.keep)

@@ -37,7 +37,8 @@ Built in:
   included: ``GGUFLinear.INT8_MAX_ROWS``) quantized to int8 per 32-wide block as
   llama.cpp's CPU path quantizes it, on AVX512-VNNI's int8 dot products
   (``kernels/dpi8.h``; AVX2's byte products in the avx2 and avx512 builds,
-  ``kernels/dpi8_avx2.h``). Not exact: the default model's first-token logits land ~0.6-1.3
+  ``kernels/dpi8_avx2.h``), with no dense copy beside the blocks (the default model's
+  worker holds ~275 MiB less). Not exact: the default model's first-token logits land ~0.6-1.3
   from the exact fp32 path's (bf16 rows: ~0.8), so near-ties may flip; decode at 8-64
   rows runs ~1.4x ``gguf``'s on a Zen 4 (bench/README.md). The generic build (no AVX2)
   refuses them at start-up.
@@ -167,7 +168,8 @@ class Fp16Method(LinearMethod):
 
 
 class GGUFLinear(nn.Module):
-    """A weight as GGUF blocks for small batches, beside ``dense`` for large ones."""
+    """A weight as GGUF blocks for small batches, beside ``dense`` for large ones (on
+    int8 rows the blocks take every batch, and there is no ``dense``)."""
 
     # Up to 8 rows one expansion of each block serves every row; beyond, fbgemm's
     # fp16 GEMM is as fast or faster (decode steps of the default model, bench/qgemm.py).
@@ -181,11 +183,16 @@ class GGUFLinear(nn.Module):
     AMX_MAX_ROWS: ClassVar[int] = 48
 
     # Rows quantized to int8 (``int8``): the kernel's int8 dot products beat oneDNN's
-    # bf16 GEMM over the dense copy at every batch measured, prompts included.
+    # bf16 GEMM over a dense copy at every batch measured, prompts included, so such a
+    # layer keeps no dense copy (``dense`` None: the default model's ~270 MB of bf16).
     INT8_MAX_ROWS: ClassVar[int] = 1 << 30
 
     def __init__(
-        self, packed: PackedWeight, bias: torch.Tensor | None, dense: nn.Module, int8: bool = False
+        self,
+        packed: PackedWeight,
+        bias: torch.Tensor | None,
+        dense: nn.Module | None,
+        int8: bool = False,
     ) -> None:
         super().__init__()
         self.packed = packed
@@ -207,22 +214,33 @@ class GGUFLinear(nn.Module):
         return self.AMX_MAX_ROWS if amx else self.KERNEL_MAX_ROWS
 
     def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """The block kernel's product, or None where it does not take ``x``."""
-        if x.shape[0] > self.max_rows(x.dtype):
+        """The block kernel's product (over x's last dimension), or None where it does
+        not take ``x``."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > self.max_rows(x.dtype):
             return None
         lin = self.lin_bf16 if x.dtype == torch.bfloat16 else self.lin
-        return qgemm.linear(x, lin, out_dtype=out_dtype)
+        y = qgemm.linear(
+            rows if self.dense is not None else rows.contiguous(), lin, out_dtype=out_dtype
+        )
+        if y is None and self.dense is None:
+            raise RuntimeError(f"the int8 block kernel cannot take {x.dtype} rows on {x.device}")
+        return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _dense(self) -> nn.Module:
+        assert self.dense is not None, "_kernel takes every row of a layer without one"
+        return self.dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._kernel(x)
-        return y if y is not None else self.dense(x)
+        return y if y is not None else self._dense()(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """As an LM head: fp32 logits, also for bf16 rows where the block kernel takes
         them. Rounded to bf16, logits near 25 lie 0.125 apart: two tokens tie where fp32
         tells them apart (the fused decode step's head is fp32 too)."""
         y = self._kernel(x, torch.float32)
-        return y if y is not None else self.dense(x).float()
+        return y if y is not None else self._dense()(x).float()
 
 
 def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -257,12 +275,14 @@ class GGUFMethod(Fp16Method):
         return torch.float32  # the blocks are found in the file's exact values
 
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        packed = qgemm.pack(weight)
+        if packed is not None and self.int8:
+            return GGUFLinear(packed, bias, None, int8=True)
         if self.dtype == torch.float32:
             dense: nn.Module = super().convert(weight, bias)
         else:
             dense = _plain_linear(weight.to(self.dtype), bias)
-        packed = qgemm.pack(weight)
-        return dense if packed is None else GGUFLinear(packed, bias, dense, self.int8)
+        return dense if packed is None else GGUFLinear(packed, bias, dense)
 
 
 class GGUFA8Method(GGUFMethod):
@@ -300,7 +320,9 @@ class BlockQuantMethod(LinearMethod):
         packed = qgemm.quantize(weight, self.kind, rounded)
         if packed is None:
             return _plain_linear(weight.to(self.dtype), bias)
-        return GGUFLinear(packed, bias, _plain_linear(rounded, bias), self.int8)
+        if self.int8:
+            return GGUFLinear(packed, bias, None, int8=True)
+        return GGUFLinear(packed, bias, _plain_linear(rounded, bias))
 
 
 class Q8_0Method(BlockQuantMethod):

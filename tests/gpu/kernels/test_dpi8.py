@@ -93,6 +93,22 @@ def test_bf16_rows_quantize_from_their_own_values() -> None:
 
 
 @needs_int8
+def test_an_int8_layer_keeps_no_dense_copy_and_takes_any_batch_shape() -> None:
+    """Every row count and a [batch, tokens, K] input (the transformers fallback's)
+    through the blocks, fp32 or bf16; the result of a 3-D input is the 2-D one's."""
+    w, b = blocks((40, 96), "q4_1", seed=2), torch.randn(40)
+    layer = QUANTIZATION_METHODS.get("gguf_a8")().convert(w, b)
+    assert isinstance(layer, GGUFLinear) and layer.dense is None
+    x = torch.randn(3, 300, 96)
+    flat = layer(x.reshape(-1, 96))
+    assert flat.shape == (900, 40)
+    torch.testing.assert_close(flat, (quantized(x.reshape(-1, 96)) @ w.T + b), rtol=1e-5, atol=5e-4)
+    assert torch.equal(layer(x), flat.reshape(3, 300, 40))
+    assert torch.equal(layer(x.transpose(0, 1)), layer(x.transpose(0, 1).contiguous()))
+    assert layer.logits(x[0].bfloat16()).dtype == torch.float32
+
+
+@needs_int8
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gguf_a8_matches_transformers_on_block_weights(
     tiny_model_factory: Callable[..., Path], tmp_path: Path, dtype: str
@@ -104,7 +120,7 @@ def test_gguf_a8_matches_transformers_on_block_weights(
     runner = make_runner(path, quantization="gguf_a8", dtype=dtype)
     layers = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
     assert len(layers) == 4 * runner.info.num_layers + 1
-    assert all(m.int8 and m.lin.act_int8 == 1 for m in layers)
+    assert all(m.int8 and m.lin.act_int8 == 1 and m.dense is None for m in layers)
     exact = make_runner(path, quantization="gguf", dtype=dtype)
     ref = hf_model(path)
     pages = Pages()
