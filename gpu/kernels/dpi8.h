@@ -6,7 +6,7 @@
  * `act_int8` (the `gguf_a8` linear method), at every row count.
  *
  * x is quantized as llama.cpp's CPU path quantizes it (Q8_0 activations): each row's
- * 32-wide block k0..k0+31 by its own scale, dx = max|x| / 127, q = round(x / dx) in
+ * 32-wide block k0..k0+31 by its own scale, dx = max|x| / 127, q = round(x * (1 / dx)) in
  * -127..127 (nearest even). A block's product is then exact in integers:
  *
  *   y[r, n] += d[n] * dx[r] * sum_k q[k, n] qx[r, k]  (+ m[n] * dx[r] * sum_k qx[r, k], Q4_1)
