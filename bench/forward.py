@@ -9,7 +9,8 @@ sequence (greedy). One actorlm column per (dtype, linear method). Beside each fi
   the KV it attends to) over the measured read bandwidth, as tok/s;
 - prefill: the step's FLOPs over the best GEMM throughput measured in the dtype its
   linear layers run (bf16: torch's bf16 GEMM; float32 with gguf/fp16: fbgemm's
-  fp16-weight GEMM; float32 with none: torch's fp32 GEMM), as tok/s.
+  fp16-weight GEMM; float32 with none: torch's fp32 GEMM; the *_a8 methods: torch's
+  int8 GEMM), as tok/s.
 
     python bench/forward.py                  # the CPU defaults (dtype auto, gguf), b=1 8 32
     python bench/forward.py --dtypes float32,bfloat16 --quantization gguf,none

@@ -92,6 +92,8 @@ def prefill_flops(model: nn.Module, info: ModelInfo, tokens: int) -> float:
 
 def gemm_kind(runner: ModelRunner) -> str:
     """The GEMM a prefill's linear layers run: machine.gemm_flops' dtype name."""
+    if any(isinstance(m, GGUFLinear) and m.int8 for m in runner.model.modules()):
+        return "int8"  # the *_a8 methods: int8 rows at every batch
     if runner.dtype == torch.bfloat16:
         return "bfloat16"
     if any(isinstance(m, Fp16Linear | GGUFLinear) for m in runner.model.modules()):

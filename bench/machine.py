@@ -127,8 +127,9 @@ def read_bandwidth(mib: int = 512, min_s: float = 0.5) -> float:
 def gemm_flops(
     dtype: str, shapes: Iterable[tuple[int, int, int]] = (), min_s: float = 0.3
 ) -> dict[str, Any]:
-    """Best FLOP/s of ``x[M, K] @ w[N, K].T`` in ``dtype`` (float32, bfloat16, or fp16w)
-    over ``shapes`` and a 512 x 2048 x 2048 one; returns the best and each shape's."""
+    """Best FLOP/s of ``x[M, K] @ w[N, K].T`` in ``dtype`` (float32, bfloat16, fp16w, or
+    int8: torch's int8 GEMM, ``torch._int_mm``, ops a second) over ``shapes`` and a 512 x
+    2048 x 2048 one; returns the best and each shape's."""
     import torch
 
     per: dict[str, float] = {}
@@ -139,6 +140,12 @@ def gemm_flops(
 
             def fn(x: torch.Tensor = x, w: Any = w) -> object:
                 return torch.ops.quantized.linear_dynamic_fp16(x, w)
+        elif dtype == "int8":
+            x8 = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+            w8 = torch.randint(-127, 128, (k, n), dtype=torch.int8)
+
+            def fn(x: torch.Tensor = x8, w: torch.Tensor = w8) -> object:
+                return torch._int_mm(x, w)
         else:
             t = getattr(torch, dtype)
             x, wd = torch.randn(m, k).to(t), torch.randn(n, k).to(t)
