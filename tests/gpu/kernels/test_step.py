@@ -186,6 +186,7 @@ def test_extensions_attend_together_over_a_bf16_pool(
     ]
     if weights == "blocks":
         steps.append([SeqSpec(LONG[0][66:130], 666, a)])  # 64 rows
+    differs = []
     for i, step in enumerate(steps):
         assert fused.accepts(step)
         before = runner.pool.kv.clone()
@@ -196,7 +197,10 @@ def test_extensions_attend_together_over_a_bf16_pool(
         together = runner.run(step)
         scale = rowwise.abs().max().item()
         assert (together - rowwise).abs().max().item() <= 0.03 * scale, i  # seen: <= 1.7%
-        assert not torch.equal(together, rowwise), i  # the rows did attend together
+        differs.append(not torch.equal(together, rowwise))
+    # the rows did attend together: on AMX a row's own attention rounds q and P to bf16
+    # as the tiles do, and a step's logits may then agree to the bit (seen: steps 3, 4)
+    assert any(differs) if tiles else all(differs), differs
 
 
 def test_mha(tiny_model_factory: Callable[..., Path]) -> None:
