@@ -63,7 +63,7 @@ def decode_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     small = runner.fused is not None and batch <= runner.fused.max_batch
     total = 0
     for m in _linears(runner.model):
-        if small or (isinstance(m, GGUFLinear) and (m.int8 or batch <= GGUFLinear.KERNEL_MAX_ROWS)):
+        if small or (isinstance(m, GGUFLinear) and batch <= m.max_rows(runner.dtype)):
             lin = native_lin(m)
             assert lin is not None
             total += sum(t.nbytes for t in lin.keep)
@@ -92,8 +92,8 @@ def prefill_flops(model: nn.Module, info: ModelInfo, tokens: int) -> float:
 
 def gemm_kind(runner: ModelRunner) -> str:
     """The GEMM a prefill's linear layers run: machine.gemm_flops' dtype name."""
-    if any(isinstance(m, GGUFLinear) and m.int8 for m in runner.model.modules()):
-        return "int8"  # the *_a8 methods: int8 rows at every batch
+    if any(isinstance(m, GGUFLinear) and m.dense is None for m in runner.model.modules()):
+        return "int8"  # the *_a8 methods without a dense copy: int8 rows at every batch
     if runner.dtype == torch.bfloat16:
         return "bfloat16"
     if any(isinstance(m, Fp16Linear | GGUFLinear) for m in runner.model.modules()):

@@ -38,10 +38,14 @@ Built in:
   llama.cpp's CPU path quantizes it, on AVX512-VNNI's int8 dot products
   (``kernels/dpi8.h``; AVX2's byte products in the avx2 and avx512 builds,
   ``kernels/dpi8_avx2.h``), with no dense copy beside the blocks (the default model's
-  worker holds ~275 MiB less). Not exact: the default model's first-token logits land ~0.6-1.3
-  from the exact fp32 path's (bf16 rows: ~0.8), so near-ties may flip; decode at 8-64
-  rows runs ~1.4x ``gguf``'s on a Zen 4 (bench/README.md). The generic build (no AVX2)
-  refuses them at start-up.
+  worker holds ~275 MiB less). Where AMX runs bf16 rows, int8 rows are faster only in
+  small batches: there batches of 9 or more rows (25 over Q8_0, ``gemv.h``'s
+  ``I8_AMX_MIN_ROWS``) run as ``gguf``'s do, on the tiles and, beyond
+  ``AMX_MAX_ROWS``, on oneDNN over a dense copy the layers keep there. Not exact: the
+  default model's first-token logits land ~0.6-1.3 from the exact fp32 path's (bf16
+  rows: ~0.8), so near-ties may flip; decode at 8-64 rows runs ~1.4x ``gguf``'s on a
+  Zen 4, at 1-8 rows ~1.2-1.4x on a Sapphire Rapids (bench/README.md). The generic
+  build (no AVX2) refuses them at start-up.
 
 fbgemm's int8 path (W8A8 dynamic) quantizes activations per tensor to 7 bits; on the
 default model greedy tokens change from the first one, so it is not offered.
@@ -167,9 +171,16 @@ class Fp16Method(LinearMethod):
         return Fp16Linear(weight, bias)
 
 
+def _int8_keeps_dense(dtype: torch.dtype) -> bool:
+    """Whether an int8 layer keeps a dense copy for prompts: bf16 on AMX tiles, where
+    oneDNN's bf16 GEMM over the copy runs 512 rows ~2.3x the blocks' own tiles and ~2.5x
+    their int8 products (bench/qgemm.py, a 2-core Sapphire Rapids, 2026-12-05)."""
+    return dtype == torch.bfloat16 and qgemm.amx_ready()
+
+
 class GGUFLinear(nn.Module):
     """A weight as GGUF blocks for small batches, beside ``dense`` for large ones (on
-    int8 rows the blocks take every batch, and there is no ``dense``)."""
+    int8 rows without ``dense``, the blocks take every batch)."""
 
     # Up to 8 rows one expansion of each block serves every row; beyond, fbgemm's
     # fp16 GEMM is as fast or faster (decode steps of the default model, bench/qgemm.py).
@@ -182,9 +193,10 @@ class GGUFLinear(nn.Module):
     # between 44 and 48 rows.
     AMX_MAX_ROWS: ClassVar[int] = 48
 
-    # Rows quantized to int8 (``int8``): the kernel's int8 dot products beat oneDNN's
-    # bf16 GEMM over a dense copy at every batch measured, prompts included, so such a
-    # layer keeps no dense copy (``dense`` None: the default model's ~270 MB of bf16).
+    # Rows quantized to int8 (``int8``): without AMX the kernel's int8 dot products beat
+    # oneDNN's bf16 GEMM over a dense copy at every batch measured, prompts included, so
+    # such a layer keeps no dense copy there (``dense`` None: the default model's ~270 MB
+    # of bf16; with one, ``AMX_MAX_ROWS`` as for exact rows).
     INT8_MAX_ROWS: ClassVar[int] = 1 << 30
 
     def __init__(
@@ -208,7 +220,7 @@ class GGUFLinear(nn.Module):
 
     def max_rows(self, dtype: torch.dtype) -> int:
         """The most rows of ``dtype`` the block kernel takes; more go to ``dense``."""
-        if self.int8:
+        if self.int8 and self.dense is None:
             return self.INT8_MAX_ROWS
         amx = dtype == torch.bfloat16 and qgemm.amx_ready()
         return self.AMX_MAX_ROWS if amx else self.KERNEL_MAX_ROWS
@@ -276,13 +288,13 @@ class GGUFMethod(Fp16Method):
 
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         packed = qgemm.pack(weight)
-        if packed is not None and self.int8:
+        if packed is not None and self.int8 and not _int8_keeps_dense(self.dtype):
             return GGUFLinear(packed, bias, None, int8=True)
         if self.dtype == torch.float32:
             dense: nn.Module = super().convert(weight, bias)
         else:
             dense = _plain_linear(weight.to(self.dtype), bias)
-        return dense if packed is None else GGUFLinear(packed, bias, dense)
+        return dense if packed is None else GGUFLinear(packed, bias, dense, self.int8)
 
 
 class GGUFA8Method(GGUFMethod):
@@ -320,9 +332,9 @@ class BlockQuantMethod(LinearMethod):
         packed = qgemm.quantize(weight, self.kind, rounded)
         if packed is None:
             return _plain_linear(weight.to(self.dtype), bias)
-        if self.int8:
+        if self.int8 and not _int8_keeps_dense(self.dtype):
             return GGUFLinear(packed, bias, None, int8=True)
-        return GGUFLinear(packed, bias, _plain_linear(rounded, bias))
+        return GGUFLinear(packed, bias, _plain_linear(rounded, bias), self.int8)
 
 
 class Q8_0Method(BlockQuantMethod):

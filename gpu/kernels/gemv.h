@@ -18,7 +18,8 @@
  *
  * Where the linear allows x to be quantized to int8 (`act_int8`), the builds with
  * AVX512-VNNI and VBMI take every row count through dpi8.h's int8 dot products, the
- * other AVX2 builds through dpi8_avx2.h's byte products.
+ * other AVX2 builds through dpi8_avx2.h's byte products; the AMX build takes bf16
+ * rows from I8_AMX_MIN_ROWS on its tiles instead.
  * Builds with AVX512-BF16 take Q4_1 weights at any row count and Q8_0 weights at 5
  * rows or more through dpbf16.h's bf16 dot products instead, where the linear allows x
  * to round to bf16 (`act_bf16`), and builds with AMX take both from 5 rows through
@@ -246,21 +247,31 @@ static inline __attribute__((always_inline)) void tile16(
 #define ACTORLM_INT8 1
 #include "dpi8_avx2.h"
 #endif
+/* int8 rows (bf16 ones, `act_bf16` too) go to AMX tiles from this many: one linear
+   from memory, two threads of a 2-core Sapphire Rapids (bench/qgemm.py, 2026-12-05):
+   Q4_1 3072x576 int8 ahead at 8 rows (0.025 against 0.031 ms), the tiles from 10
+   (0.029 against 0.033) to 512 (2.3x); the Q8_0 49152x576 head level at 24 rows */
+#define I8_AMX_MIN_ROWS(kind) ((kind) == LIN_Q8_0 ? 25 : 9)
 
 /* Groups [g0, g1) of a block weight, all M rows of x. */
 static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
                         int64_t g1, float *y, int64_t ys) {
-#if defined(ACTORLM_INT8)
-    /* int8 dot products at any row count (one 3072x576 linear from memory, one thread
-       of a 2-core Zen 4: Q4_1 1.4x the bf16 dot products at one row, 1.5-1.7x at 2-64;
-       Q8_0 1.7-2.4x) */
-    if (L->act_int8 && M > 0 && i8_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
-#endif
 #if defined(__AMX_BF16__)
     /* AMX tiles (Sapphire Rapids, two cores: ~3x the dot products at 16-32 rows); from
-       AMX_DQ_MIN_ROWS rows over weights rounded to bf16 (amx.h) */
-    if (L->act_bf16 && M >= AMX_DQ_MIN_ROWS && amx_blocks_dq_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
-    if (L->act_bf16 && M >= AMX_MIN_ROWS && amx_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
+       AMX_DQ_MIN_ROWS rows over weights rounded to bf16 (amx.h). Rows that may also be
+       quantized to int8 take the tiles only from I8_AMX_MIN_ROWS: fewer, the int8 dot
+       products are faster. */
+    const int64_t amx_rows = L->act_int8 ? I8_AMX_MIN_ROWS(L->kind) : AMX_MIN_ROWS;
+    if (L->act_bf16 && M >= AMX_DQ_MIN_ROWS && M >= amx_rows &&
+        amx_blocks_dq_cols(L, x, M, xs, g0, g1, y, ys) == 0)
+        return;
+    if (L->act_bf16 && M >= amx_rows && amx_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
+#endif
+#if defined(ACTORLM_INT8)
+    /* int8 dot products at any other row count (one 3072x576 linear from memory, one
+       thread of a 2-core Zen 4: Q4_1 1.4x the bf16 dot products at one row, 1.5-1.7x at
+       2-64; Q8_0 1.7-2.4x) */
+    if (L->act_int8 && M > 0 && i8_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
 #endif
 #if defined(__AVX512BF16__)
     /* bf16 dot products (one 3072x576 Q4_1 linear from memory, one thread of a 2-core

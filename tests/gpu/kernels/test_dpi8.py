@@ -108,19 +108,65 @@ def test_an_int8_layer_keeps_no_dense_copy_and_takes_any_batch_shape() -> None:
     assert layer.logits(x[0].bfloat16()).dtype == torch.float32
 
 
+@pytest.mark.skipif(not qgemm.amx_ready(), reason="needs AMX tiles granted")
+@pytest.mark.parametrize(("kind", "first"), [("q4_1", 9), ("q8_0", 25)])
+def test_amx_takes_int8_rows_that_may_round_to_bf16_from_a_batch_size(
+    kind: str, first: int
+) -> None:
+    """Rows that may be quantized to int8 and rounded to bf16 (a bf16 model's ``*_a8``
+    layers) take the int8 products below ``first`` rows (gemv.h's I8_AMX_MIN_ROWS) and
+    the AMX tiles from it: bit for bit what each path gives alone."""
+    w = blocks((64, 512), kind, seed=9)
+    packed = pack(w)
+    assert packed is not None
+    both, i8, tiles = (lin_blocks(packed) for _ in range(3))
+    both.act_int8 = both.act_bf16 = i8.act_int8 = tiles.act_bf16 = 1
+    g = torch.Generator().manual_seed(10)
+    for rows in (1, first - 1, first, 64):
+        x = torch.randn(rows, 512, generator=g).bfloat16()
+        got, want = linear(x, both), linear(x, i8 if rows < first else tiles)
+        assert got is not None and want is not None
+        assert torch.equal(got, want), rows
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_a8_layers_keep_a_dense_copy_where_amx_runs_bf16(
+    monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    """In bf16 where AMX runs, an ``*_a8`` layer keeps a dense copy and takes batches
+    beyond ``AMX_MAX_ROWS`` through it, as ``gguf``'s layers do; elsewhere none."""
+    monkeypatch.setattr(qgemm, "amx_ready", lambda level="": amx)
+    w, b = blocks((40, 96), "q4_1", seed=2), torch.randn(40)
+    method = QUANTIZATION_METHODS.get("gguf_a8")()
+    method.check(torch.device("cpu"), torch.bfloat16)
+    layer = method.convert(w, b)
+    assert isinstance(layer, GGUFLinear) and layer.int8
+    assert (layer.dense is not None) == amx
+    rows = GGUFLinear.AMX_MAX_ROWS if amx else GGUFLinear.INT8_MAX_ROWS
+    assert layer.max_rows(torch.bfloat16) == rows
+    x = torch.randn(GGUFLinear.AMX_MAX_ROWS + 1, 96).bfloat16()
+    if amx:
+        assert torch.equal(layer(x), layer.dense(x))
+    else:
+        want = quantized(x.float()) @ w.T + b
+        torch.testing.assert_close(layer(x).float(), want, rtol=0.02, atol=0.05)
+
+
 @needs_int8
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gguf_a8_matches_transformers_on_block_weights(
     tiny_model_factory: Callable[..., Path], tmp_path: Path, dtype: str
 ) -> None:
     """Every linear of a tiny model of Q4_1 layers and a Q8_0 head on int8 rows, prompts
-    included: last logits within 3% of the scale of transformers' fp32 ones (measured
-    ~1.5%; ``gguf`` in bf16 ~0.8%), 32 greedy tokens equal, and not ``gguf``'s logits."""
+    included (where AMX runs bf16, prompts of 9+ tokens run as ``gguf``'s): last logits
+    within 3% of the scale of transformers' fp32 ones (measured ~1.5%; ``gguf`` in bf16
+    ~0.8%), 32 greedy tokens equal, and not ``gguf``'s logits."""
     path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
     runner = make_runner(path, quantization="gguf_a8", dtype=dtype)
     layers = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
     assert len(layers) == 4 * runner.info.num_layers + 1
-    assert all(m.int8 and m.lin.act_int8 == 1 and m.dense is None for m in layers)
+    dense = dtype == "bfloat16" and qgemm.amx_ready()
+    assert all(m.int8 and m.lin.act_int8 == 1 and (m.dense is None) != dense for m in layers)
     exact = make_runner(path, quantization="gguf", dtype=dtype)
     ref = hf_model(path)
     pages = Pages()
@@ -129,6 +175,10 @@ def test_gguf_a8_matches_transformers_on_block_weights(
         got = runner.run([runner_seq(pages, f"a{i}", prompt)])[0]
         other = exact.run([runner_seq(pages, f"e{i}", prompt)])[0]
         assert (got - want).abs().max() < 0.03 * want.abs().max(), i
+        assert dense or (got - other).abs().max() > 1e-3, i
+        n = len(prompt) + 1  # and a decode: int8 rows everywhere
+        got = runner.run([SeqSpec([7], n - 1, pages.table(f"a{i}", n))])[0]
+        other = exact.run([SeqSpec([7], n - 1, pages.table(f"e{i}", n))])[0]
         assert (got - other).abs().max() > 1e-3, i
     assert greedy(runner, "g", PROMPT_B, 32, pages) == hf_greedy(ref, PROMPT_B, 32)
 
