@@ -132,15 +132,22 @@ class ThreadChooser:
     machine shared with other busy processes one of the team often waits for a core
     (seen on the 2-core VM: batch-1 steps took 10 ms on one thread, 33 ms on two, while
     other jobs ran; 4-5 ms and ~3 ms when it was quiet). Every ``EXPLORE``-th step of a
-    batch size tries the size it is not using, so the choice follows the load; the
-    results are the same bits either way."""
+    batch size tries the size it is not using, so the choice follows the load; a look
+    that finds that size clearly slower doubles the interval to the next, up to
+    ``EXPLORE_MAX`` (each look at a team of one cost a 2-core AMX Xeon's decode steps
+    of 32 / 64 sequences ~5% / ~7% at every 16th step). The results are the same bits
+    either way."""
 
     EXPLORE = 16
+    EXPLORE_MAX = 128
+    CLEARLY = 1.25  # slower by this factor
     DECAY = 0.5  # of the moving average of step times: a few looks follow a change
 
     def __init__(self) -> None:
         self._ema: dict[tuple[int, int], float] = {}
-        self._steps: dict[int, int] = {}
+        self._every: dict[int, int] = {}  # steps between looks, by batch size
+        self._until: dict[int, int] = {}  # steps to the next look
+        self._looking: dict[int, int] = {}  # the size a look is trying
 
     def options(self) -> list[int]:
         threads = torch.get_num_threads()
@@ -148,14 +155,25 @@ class ThreadChooser:
 
     def pick(self, batch: int) -> int:
         options = self.options()
-        n = self._steps[batch] = self._steps.get(batch, 0) + 1
         untried = [t for t in options if (batch, t) not in self._ema]
         if untried:
             return untried[0]
         ranked = sorted(options, key=lambda t: self._ema[batch, t])
-        return ranked[-1] if n % self.EXPLORE == 0 else ranked[0]
+        left = self._until.get(batch, self.EXPLORE) - 1
+        if left > 0 or len(ranked) == 1:
+            self._until[batch] = left
+            return ranked[0]
+        self._until[batch] = self._every.get(batch, self.EXPLORE)
+        self._looking[batch] = ranked[-1]
+        return ranked[-1]
 
     def record(self, batch: int, threads: int, seconds: float) -> None:
+        if self._looking.pop(batch, None) == threads:
+            used = [v for (b, t), v in self._ema.items() if b == batch and t != threads]
+            slower = bool(used) and seconds > self.CLEARLY * min(used)
+            every = self._every.get(batch, self.EXPLORE)
+            every = min(2 * every, self.EXPLORE_MAX) if slower else self.EXPLORE
+            self._every[batch] = self._until[batch] = every
         old = self._ema.get((batch, threads))
         self._ema[batch, threads] = (
             seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds

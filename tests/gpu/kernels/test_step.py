@@ -350,17 +350,26 @@ def test_the_team_size_follows_the_measured_step_times() -> None:
         assert chooser.options() == [4, 2]
         slow = {4: 0.010, 2: 0.004}  # a busy machine: the smaller team is faster
         picks = []
-        for _ in range(64):
+        for _ in range(400):
             t = chooser.pick(1)
             picks.append(t)
             chooser.record(1, t, slow[t])
         assert picks[:2] == [4, 2]  # each tried once
-        assert picks.count(4) == 1 + 64 // ThreadChooser.EXPLORE  # then only to look again
-        quiet = {4: 0.002, 2: 0.004}  # the load went away
-        for _ in range(64):
+        looks = [i for i, t in enumerate(picks) if t == 4][1:]  # then only to look again,
+        gaps = [b - a for a, b in zip([1, *looks], looks, strict=False)]
+        assert gaps == [16, 32, 64, 128, 128], gaps  # less often while it stays slower
+        quiet = {4: 0.002, 2: 0.004}  # the load went away: seen at the next look
+        for _ in range(ThreadChooser.EXPLORE_MAX):
             t = chooser.pick(1)
             chooser.record(1, t, quiet[t])
         assert chooser.pick(1) == 4
+        busy = {4: 0.0045, 2: 0.004}  # within CLEARLY: looked at every EXPLORE steps
+        picks = []
+        for _ in range(64):
+            t = chooser.pick(1)
+            picks.append(t)
+            chooser.record(1, t, busy[t])
+        assert 3 <= picks.count(4) <= 6, picks
         assert chooser.pick(3) == 4  # each batch size learns on its own
     finally:
         torch.set_num_threads(before)
