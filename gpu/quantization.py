@@ -44,7 +44,7 @@ Built in:
   ``AMX_MAX_ROWS``, on oneDNN over a dense copy the layers keep there. Not exact: the
   default model's first-token logits land ~0.6-1.3 from the exact fp32 path's (bf16
   rows: ~0.8), so near-ties may flip; decode at 8-64 rows runs ~1.4x ``gguf``'s on a
-  Zen 4, at 1-8 rows ~1.2-1.4x on a Sapphire Rapids (bench/README.md). The generic
+  Zen 4, at 1-8 rows ~1.2-1.6x on an AMX Xeon (bench/README.md). The generic
   build (no AVX2) refuses them at start-up.
 
 fbgemm's int8 path (W8A8 dynamic) quantizes activations per tensor to 7 bits; on the
@@ -174,7 +174,7 @@ class Fp16Method(LinearMethod):
 def _int8_keeps_dense(dtype: torch.dtype) -> bool:
     """Whether an int8 layer keeps a dense copy for prompts: bf16 on AMX tiles, where
     oneDNN's bf16 GEMM over the copy runs 512 rows ~2.3x the blocks' own tiles and ~2.5x
-    their int8 products (bench/qgemm.py, a 2-core Sapphire Rapids, 2026-12-05)."""
+    their int8 products (bench/qgemm.py, a 2-core AMX Xeon, 2026-12-05)."""
     return dtype == torch.bfloat16 and qgemm.amx_ready()
 
 

@@ -248,7 +248,7 @@ static inline __attribute__((always_inline)) void tile16(
 #include "dpi8_avx2.h"
 #endif
 /* int8 rows (bf16 ones, `act_bf16` too) go to AMX tiles from this many: one linear
-   from memory, two threads of a 2-core Sapphire Rapids (bench/qgemm.py, 2026-12-05):
+   from memory, two threads of a 2-core AMX Xeon (bench/qgemm.py, 2026-12-05):
    Q4_1 3072x576 int8 ahead at 8 rows (0.025 against 0.031 ms), the tiles from 10
    (0.029 against 0.033) to 512 (2.3x); the Q8_0 49152x576 head level at 24 rows */
 #define I8_AMX_MIN_ROWS(kind) ((kind) == LIN_Q8_0 ? 25 : 9)
