@@ -327,12 +327,14 @@ class BlockQuantMethod(LinearMethod):
         return torch.float32  # rounded from the checkpoint's exact values
 
     def convert(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        # the dense copy prompts read, written in the compute dtype as the blocks round
-        rounded = torch.empty(weight.shape, dtype=self.dtype)
+        # the dense copy prompts read (where one is kept), written in the compute dtype
+        # as the blocks round
+        keep = not self.int8 or _int8_keeps_dense(self.dtype)
+        rounded = torch.empty(weight.shape, dtype=self.dtype) if keep else None
         packed = qgemm.quantize(weight, self.kind, rounded)
         if packed is None:
             return _plain_linear(weight.to(self.dtype), bias)
-        if self.int8 and not _int8_keeps_dense(self.dtype):
+        if rounded is None:
             return GGUFLinear(packed, bias, None, int8=True)
         return GGUFLinear(packed, bias, _plain_linear(rounded, bias), self.int8)
 

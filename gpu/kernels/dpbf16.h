@@ -220,7 +220,7 @@ static int dp_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
     float *sx = q4 ? (float *)(buf + xb_bytes) : NULL, *acc = (float *)(buf + xb_bytes + sx_bytes);
     dp_round_rows(x, M, xs, K, xb, sx);
     if (q4) { /* passes of equal size, at most DP_Q4_ROWS rows: 12 rows as 6 + 6 */
-        const int64_t passes = (M + DP_Q4_ROWS - 1) / DP_Q4_ROWS, rows = (M + passes - 1) / passes;
+        const int64_t rows = even_part(M, DP_Q4_ROWS);
         for (int64_t g = g0; g < g1; g++) {
             const int64_t n0 = g * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
             for (int64_t m0 = 0; m0 < M; m0 += rows) {
@@ -239,8 +239,7 @@ static int dp_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
         return 0;
     }
     /* Q8_0: passes of equal size, at most DP_ROWS rows: 32 rows as 11 + 11 + 10 */
-    const int64_t passes = (M + DP_ROWS - 1) / DP_ROWS, rows = (M + passes - 1) / passes;
-    const int64_t chunks = (nb + DP_CHUNK - 1) / DP_CHUNK, per = (nb + chunks - 1) / chunks;
+    const int64_t rows = even_part(M, DP_ROWS), per = even_part(nb, DP_CHUNK);
     __m512i wb[DP_CHUNK * 16];
     for (int64_t g = g0; g < g1; g++) {
         for (int64_t i = 0; i < M * GROUP; i++) acc[i] = 0.f;

@@ -20,9 +20,6 @@
 
 #define I8_ROWS 4 /* rows of x a pass: 2 accumulators a row of 16 registers */
 
-static __thread void *i8_scratch;
-static __thread size_t i8_scratch_bytes;
-
 /* Row r's blocks quantized: qx [M][K] (each 4 bytes as k, k + 2, k + 1, k + 3 when
    `q4`), their scales dx [M][K/32] and dx * sum_k qx (sx). */
 static void i8_quantize_rows(const float *x, int64_t M, int64_t xs, int64_t K, int8_t *qx,
@@ -137,13 +134,11 @@ static int i8_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
     const int q4 = L->kind == LIN_Q4_1;
     const uint8_t *q = (const uint8_t *)L->w;
     const int64_t K = L->k, nb = K / QK, N = L->n;
-    const size_t qx_bytes = ((size_t)(M * K) + 63) / 64 * 64, s_bytes = (size_t)(M * nb) * 4;
-    char *buf = grow_buffer(&i8_scratch, &i8_scratch_bytes, qx_bytes + 2 * s_bytes);
-    if (buf == NULL) return -1;
-    int8_t *qx = (int8_t *)buf;
-    float *dx = (float *)(buf + qx_bytes), *sx = dx + M * nb;
+    int8_t *qx;
+    float *dx, *sx;
+    if (i8_scratch_for(M, K, &qx, &dx, &sx)) return -1;
     i8_quantize_rows(x, M, xs, K, qx, dx, sx, q4);
-    const int64_t passes = (M + I8_ROWS - 1) / I8_ROWS, rows = (M + passes - 1) / passes;
+    const int64_t rows = even_part(M, I8_ROWS);
     for (int64_t g = g0; g < g1; g++)
         for (int h = 0; h < 2; h++) {
             const int64_t n0 = g * GROUP + 8 * h, w = N - n0 < 8 ? N - n0 : 8;

@@ -240,6 +240,19 @@ static inline __attribute__((always_inline)) void tile16(
 #if defined(__AMX_BF16__)
 #include "amx.h"
 #endif
+#if defined(__AVX2__)
+/* The thread's scratch for x quantized to int8 (dpi8.h, dpi8_avx2.h): the codes qx
+   [M][K], then their scales dx and sums sx [M][K/32]; 0, or -1 when it could not be had */
+static __thread void *i8_scratch;
+static __thread size_t i8_scratch_bytes;
+static int i8_scratch_for(int64_t M, int64_t K, int8_t **qx, float **dx, float **sx) {
+    const size_t qx_bytes = ((size_t)(M * K) + 63) / 64 * 64, s_bytes = (size_t)(M * (K / QK)) * 4;
+    char *buf = grow_buffer(&i8_scratch, &i8_scratch_bytes, qx_bytes + 2 * s_bytes);
+    if (buf == NULL) return -1;
+    *qx = (int8_t *)buf, *dx = (float *)(buf + qx_bytes), *sx = *dx + M * (K / QK);
+    return 0;
+}
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define ACTORLM_INT8 1
 #include "dpi8.h"

@@ -134,6 +134,13 @@ static inline void *grow_buffer(void **buf, size_t *have, size_t bytes) {
     return *buf;
 }
 
+/* The size of each part where n splits into the fewest parts of at most `most`, all of
+   one size but the last, which may be smaller (12 rows at most 8 a pass: 6 + 6) */
+static inline int64_t even_part(int64_t n, int64_t most) {
+    const int64_t parts = (n + most - 1) / most;
+    return parts ? (n + parts - 1) / parts : 0;
+}
+
 /* max(m, s[0..n)), VW lanes at a time (a scalar loop waits ~4 cycles an element on
    the last) */
 static inline float max_of(const float *s, int64_t n, float m) {
