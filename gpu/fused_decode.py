@@ -38,7 +38,14 @@ from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.attention import prefill_tiles
 from .kernels.qgemm import BLOCK_KINDS
-from .kernels.step import DecodeStep, LayerWeights, StepWeights, native_step
+from .kernels.step import (
+    CASCADE_ROWS,
+    Cascade,
+    DecodeStep,
+    LayerWeights,
+    StepWeights,
+    native_step,
+)
 from .kv_pool import KVPool
 from .models.layers import Attention, GatedMLP, RMSNorm
 from .models.llama import DecoderLayer, LlamaForCausalLM
@@ -233,6 +240,9 @@ class FusedDecoder:
             )
         self.max_batch = max_batch
         self.threads = ThreadChooser()
+        # decodes whose contexts begin in the same pages read them once a chunk of rows
+        # (kernels/step.py's Cascade); False: once a row, as the model's forward does
+        self.cascade = True
 
     @classmethod
     def build(
@@ -341,6 +351,10 @@ class FusedDecoder:
         t0 = time.perf_counter()
         rows = None if plan is None else plan.rows
         last = np.cumsum(news) - 1 if extends else None
-        logits = self.step(tokens, cos, sin, slots, pages, lens, threads, rows, last)
+        cascade = None
+        if self.cascade and not extends:
+            heads = self.step.weights.num_heads // self.step.weights.num_kv_heads
+            cascade = Cascade.find(pages, lens, ps, CASCADE_ROWS // heads)
+        logits = self.step(tokens, cos, sin, slots, pages, lens, threads, rows, last, cascade)
         self.threads.record(B, threads, time.perf_counter() - t0)
         return logits

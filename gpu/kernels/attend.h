@@ -104,11 +104,13 @@ static void att_softcap(float *s, int64_t n, float cap) {
 /* q [G, D] against `len` tokens whose pages are `table`; k and v point at this head's
    [num_pages, page_size, D]. Keys before `start` (< page_size) are masked out; `cap` > 0
    soft-caps the scores. scores [G, len] and acc [G, D] are the caller's scratch;
-   out [G, D]. */
+   out [G, D]. With `ml` (not NULL) the result is a part of a longer context, to be merged
+   with the other parts (att_merge): out gets the unnormalised sum of exp(s - m) v and
+   ml[2g], ml[2g + 1] row g's m (its largest score) and sum of exp(s - m). */
 static inline __attribute__((always_inline)) void attend_kv(
     const int bf16, const float *q, const void *k, const void *v, const int64_t *table,
     int64_t len, int64_t G, int64_t D, int64_t page_size, float scale, int64_t start,
-    float cap, float *scores, float *acc, float *out) {
+    float cap, float *scores, float *acc, float *out, float *ml) {
     const int64_t page_elems = page_size * D;
     const int vec = D % 8 == 0;
     const int64_t esize = bf16 ? 2 : 4;
@@ -161,7 +163,10 @@ static inline __attribute__((always_inline)) void attend_kv(
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * len;
         if (cap > 0.f) att_softcap(sg + start, len - start, cap);
-        inv_sum[g] = 1.f / exp_sum(sg + start, len - start, max_of(sg + start, len - start, -INFINITY));
+        const float m = max_of(sg + start, len - start, -INFINITY);
+        const float sum = exp_sum(sg + start, len - start, m);
+        inv_sum[g] = ml ? 1.f : 1.f / sum;
+        if (ml) ml[2 * g] = m, ml[2 * g + 1] = sum;
         memset(sg, 0, sizeof(float) * (size_t)start); /* masked keys weigh nothing */
     }
 #if defined(__AMX_BF16__)
@@ -204,6 +209,19 @@ static inline __attribute__((always_inline)) void attend_kv(
     }
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv_sum[g];
+}
+
+/* out [G, D] = the attention over the keys of two parts of one context, from each part's
+   unnormalised sums (a, b [G, D]) and its ml (attend_kv's): the softmax over the whole */
+static inline void att_merge(const float *a, const float *ml_a, const float *b, const float *ml_b,
+                             int64_t G, int64_t D, float *out) {
+    for (int64_t g = 0; g < G; g++) {
+        const float ma = ml_a[2 * g], mb = ml_b[2 * g];
+        const float m = ma > mb ? ma : mb, ea = expf(ma - m), eb = expf(mb - m);
+        const float inv = 1.f / (ml_a[2 * g + 1] * ea + ml_b[2 * g + 1] * eb);
+        const float wa = ea * inv, wb = eb * inv;
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = a[g * D + d] * wa + b[g * D + d] * wb;
+    }
 }
 
 #endif

@@ -24,6 +24,11 @@
  * task, on its heads' columns; o's and down's on every thread's own residual rows);
  * gate and up, whose outputs meet SiLU as they are made, shrink on every thread.
  * Rows of one slot go through lora.h a block at a time (the worker groups them by slot).
+ *
+ * Decodes whose contexts begin in the same pages (a system prompt the prefix cache
+ * shares) may attend in a cascade: each row over its own tokens first, then, after one
+ * more barrier, a chunk of rows at once over the shared pages (attend.h's rows are then
+ * several sequences' query heads), the two parts of each softmax merged (att_merge).
  */
 #include <math.h>
 #include <omp.h>
@@ -139,29 +144,41 @@ static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     *hi = n * (t + 1) / nt;
 }
 
+/* `rows` query rows q [rows, D] (rotated) over `len` tokens of `pages` in KV head h of
+   layer l: one sequence's G heads, or the rows of several sequences over the pages they
+   share (cascade). ml: NULL, or the parts' merge (attend_kv). */
+static void attend_rows(const model_t *M, int64_t l, int64_t h, const float *q, int64_t rows,
+                        const int64_t *pages, int64_t len, float *scores, float *acc, float *out,
+                        float *ml) {
+    const int64_t D = M->head_dim, Hkv = M->kv_heads;
+    const int64_t head_elems = M->num_pages * M->page_size * D, esize = M->kv_bf16 ? 2 : 4;
+    const char *kbase = (const char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
+    const char *vbase = (const char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
+    if (M->kv_bf16)
+        attend_kv(1, q, kbase, vbase, pages, len, rows, D, M->page_size, (float)M->scale, 0, 0.f, scores,
+                  acc, out, ml);
+    else
+        attend_kv(0, q, kbase, vbase, pages, len, rows, D, M->page_size, (float)M->scale, 0, 0.f, scores,
+                  acc, out, ml);
+}
+
 /* The G query heads of KV head h (rotated, in qkv's row b) over seq_len tokens */
 static void attend_task(const model_t *M, int64_t l, int64_t b, int64_t h, const float *qkv,
                         int64_t qkv_n, const int64_t *pages, int64_t seq_len, float *scores,
                         float *acc, float *out) {
-    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, Hkv = M->kv_heads;
-    const int64_t head_elems = M->num_pages * M->page_size * D, esize = M->kv_bf16 ? 2 : 4;
-    const float *q = qkv + b * qkv_n + h * G * D;
-    const char *kbase = (const char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
-    const char *vbase = (const char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
-    if (M->kv_bf16)
-        attend_kv(1, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
-                  acc, out);
-    else
-        attend_kv(0, q, kbase, vbase, pages, seq_len, G, D, M->page_size, (float)M->scale, 0, 0.f, scores,
-                  acc, out);
+    const int64_t G = M->heads / M->kv_heads;
+    attend_rows(M, l, h, qkv + b * qkv_n + h * G * M->head_dim, G, pages, seq_len, scores, acc,
+                out, NULL);
 }
 
 /* Sequence b's KV head h in layer l: rotate its q heads and k, store k and v at the new
-   token's slot, then (out not NULL) attend over seq_len tokens. */
+   token's slot, then (out not NULL) attend over seq_len tokens, or with `skip` > 0 over
+   those after its first `skip` (pages it shares with other rows: a part, into out and
+   ml, that the shared part is merged with later). */
 static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, float *qkv,
                            int64_t qkv_n, const float *cos_t, const float *sin_t, int64_t slot,
                            const int64_t *pages, int64_t seq_len, float *scores, float *acc,
-                           float *out) {
+                           float *out, int64_t skip, float *ml) {
     const int64_t D = M->head_dim, G = M->heads / M->kv_heads, half = D / 2;
     const int64_t H = M->heads, Hkv = M->kv_heads;
     float *row = qkv + b * qkv_n;
@@ -175,7 +192,32 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
     char *vbase = (char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
     store_row(kbase + slot * D * esize, (int)M->kv_bf16, k, D);
     store_row(vbase + slot * D * esize, (int)M->kv_bf16, v, D);
-    if (out) attend_task(M, l, b, h, qkv, qkv_n, pages, seq_len, scores, acc, out);
+    if (out == NULL) return;
+    if (skip)
+        attend_rows(M, l, h, q, G, pages + skip / M->page_size, seq_len - skip, scores, acc, out, ml);
+    else
+        attend_task(M, l, b, h, qkv, qkv_n, pages, seq_len, scores, acc, out);
+}
+
+/* Query rows a cascade chunk attends with at once: the AMX and dot-product paths'
+   widest (attend_amx.h, attend_dp.h) */
+#define CASCADE_ROWS 16
+
+/* Cascade chunk i's rows (chunk_rows[chunk_ptr[i] ..]) over the `shared` tokens of pages
+   they all begin with, KV head h: their q rows gathered into cq, the shared part into co
+   and cml, merged into each row's own part (attn, ml_rows) as its output. */
+static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qkv, int64_t qkv_n,
+                         const int64_t *rows, int64_t n, const int64_t *pages, int64_t shared,
+                         float *scores, float *acc, float *cq, float *co, float *cml, float *attn,
+                         float *ml_rows) {
+    const int64_t D = M->head_dim, H = M->heads, G = H / M->kv_heads, GD = G * D;
+    for (int64_t j = 0; j < n; j++)
+        memcpy(cq + j * GD, qkv + rows[j] * qkv_n + h * GD, sizeof(float) * (size_t)GD);
+    attend_rows(M, l, h, cq, n * G, pages, shared, scores, acc, co, cml);
+    for (int64_t j = 0; j < n; j++) {
+        float *o = attn + rows[j] * H * D + h * GD;
+        att_merge(o, ml_rows + (rows[j] * H + h * G) * 2, co + j * GD, cml + j * G * 2, G, D, o);
+    }
 }
 
 #if defined(__AVX512BF16__)
@@ -264,13 +306,21 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
  * any row attends (2: a sequence's rows attend together on bf16 products where the build has
  * them). head_rows [n_head] (ascending), or NULL: the rows that get logits [n_head,
  * vocab] (each sequence's last), or all B.
+ * Cascade (decodes alone, store_first 0): row_shared [B] tokens at the start of each
+ * row's context in pages it shares with other rows (whole pages; 0: none), and n_chunks
+ * chunks of such rows, chunk i's rows chunk_rows[chunk_ptr[i] .. chunk_ptr[i + 1]) (at
+ * most CASCADE_ROWS / G, each in one chunk, all with the same shared pages). Those pages
+ * are read once a chunk instead of once a row: each row attends over its own tokens,
+ * then each chunk's rows together over their shared ones, and the two parts merge.
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
 int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, const float *cos_t,
                         const float *sin_t, const int64_t *slots, const int64_t *pages,
                         int64_t table_stride, const int64_t *seq_lens, int64_t max_len,
                         float *logits, const int32_t *row_slots, int64_t store_first,
-                        const int64_t *head_rows, int64_t n_head, int threads) {
+                        const int64_t *head_rows, int64_t n_head, const int64_t *row_shared,
+                        const int64_t *chunk_ptr, const int64_t *chunk_rows, int64_t n_chunks,
+                        int threads) {
     const int64_t Hd = M->hidden, D = M->head_dim, H = M->heads, Hkv = M->kv_heads;
     const int64_t I = M->inter, G = H / Hkv;
     const int64_t qkv_n = (H + 2 * Hkv) * D;
@@ -281,19 +331,24 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
 #endif
     if (R > LORA_MAX_RANK) return -1;
+    if (store_first) n_chunks = 0;
+    /* query rows an attention call takes at most: a sequence's G, or a cascade chunk's */
+    const int64_t SG = n_chunks && G < CASCADE_ROWS ? CASCADE_ROWS : G;
     /* shared between the threads: each phase's output (and the adapters' shrinks) */
-    float *shared = malloc(sizeof(float) * (size_t)(B * (qkv_n + H * D + Hd + I + 5 * R)));
+    float *shared = malloc(sizeof(float) * (size_t)(B * (qkv_n + H * D + Hd + I + 5 * R + 2 * H)));
     if (shared == NULL) return -1;
     float *qkv = shared, *attn = qkv + B * qkv_n, *lin_out = attn + B * H * D, *act = lin_out + B * Hd;
     float *u_qkv = act + B * I, *u_o = u_qkv + B * 3 * R, *u_down = u_o + B * R;
+    float *ml_rows = u_down + B * R; /* [B, H, 2]: each row's own part, cascade rows */
     int failed = 0;
     team_t team = {0};
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t phase = 0;
-        float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + G * D +
-                                                     G * max_len + 2 * B * R + B * G * D + 8));
+        float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + SG * D +
+                                                     SG * max_len + 3 * SG * D + 2 * B * R +
+                                                     B * G * D + 8));
         if (res == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -301,8 +356,9 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
 #pragma omp barrier
         if (!failed) {
             float *xn = res + B * Hd, *tg = xn + B * Hd, *tu = tg + B * SILU_CHUNK;
-            float *acc = tu + B * SILU_CHUNK, *scores = acc + G * D;
-            float *u_gu = scores + G * max_len; /* this thread's gate and up shrinks */
+            float *acc = tu + B * SILU_CHUNK, *scores = acc + SG * D;
+            float *cq = scores + SG * max_len, *co = cq + SG * D, *cml = co + SG * D;
+            float *u_gu = cml + SG * D; /* this thread's gate and up shrinks */
             uint16_t *q16 = (uint16_t *)(u_gu + 2 * B * R), *o16 = q16 + B * G * D;
             (void)q16, (void)o16;
             for (int64_t b = 0; b < B; b++) {
@@ -340,9 +396,22 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                             lora_expand_rows(&ll[LORA_V], s, u + 2 * R, 0, row + (H + Hkv + h) * D,
                                              0, h * D, (h + 1) * D, 1);
                     }
+                    const int64_t skip = n_chunks ? row_shared[b] : 0;
                     attention_task(M, l, b, h, qkv, qkv_n, cos_t, sin_t, slots[b],
                                    pages + b * table_stride, seq_lens[b], scores, acc,
-                                   store_first ? NULL : attn + b * H * D + h * G * D);
+                                   store_first ? NULL : attn + b * H * D + h * G * D, skip,
+                                   ml_rows + (b * H + h * G) * 2);
+                }
+                if (n_chunks) { /* every row's own part is in: the shared parts, merged */
+                    team_wait(&team, nt, &phase);
+                    share(n_chunks * Hkv, t, nt, &lo, &hi);
+                    for (int64_t task = lo; task < hi; task++) {
+                        const int64_t i = task / Hkv, h = task % Hkv;
+                        const int64_t *rows = chunk_rows + chunk_ptr[i];
+                        cascade_task(M, l, h, qkv, qkv_n, rows, chunk_ptr[i + 1] - chunk_ptr[i],
+                                     pages + rows[0] * table_stride, row_shared[rows[0]], scores,
+                                     acc, cq, co, cml, attn, ml_rows);
+                    }
                 }
                 if (store_first) { /* every row's key is in the pool: now they attend */
                     team_wait(&team, nt, &phase);
@@ -448,10 +517,10 @@ int actorlm_paged_decode_kv(const float *q, int64_t q_stride_b, const void *k, c
                 const int64_t first = starts ? starts[b] : 0;
                 if (kv_bf16)
                     attend_kv(1, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
-                              scale, first, softcap, scores, acc, ob);
+                              scale, first, softcap, scores, acc, ob, NULL);
                 else
                     attend_kv(0, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
-                              scale, first, softcap, scores, acc, ob);
+                              scale, first, softcap, scores, acc, ob, NULL);
             }
         }
         free(scores);

@@ -23,7 +23,7 @@ from . import native
 from .lora import LoraDesc
 from .qgemm import Lin
 
-__all__ = ["DecodeStep", "LayerWeights", "StepWeights", "native_step"]
+__all__ = ["Cascade", "DecodeStep", "LayerWeights", "StepWeights", "native_step"]
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -71,7 +71,7 @@ def native_step(level: str = "") -> Any | None:
     if lib is None:
         return None
     step = lib.actorlm_decode_step
-    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _T]  # fmt: skip
+    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _T]  # fmt: skip
     step.restype = ctypes.c_int
     attn = lib.actorlm_paged_decode_kv
     attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _T]
@@ -139,6 +139,77 @@ def _lin(lin: Lin, act_bf16: bool) -> Lin:
     out = Lin.from_buffer_copy(lin)
     out.act_bf16 = int(act_bf16)
     return out
+
+
+# Rows of a cascade chunk read their shared pages together: at most this many query rows
+# (cpu_step.c's CASCADE_ROWS), so 5 sequences of the default model's 3 heads a KV head.
+CASCADE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """The rows of a decode step whose contexts begin in the same pages (a system prompt
+    the prefix cache shares): the step reads those pages once for a chunk of rows, not
+    once a row, and merges that part of each row's softmax with the part over its own
+    tokens (cascade attention). At 16 sequences over a shared 1,024-token prompt the
+    shared pages are ~90% of a step's KV reads."""
+
+    row_shared: np.ndarray  # [B] int64: tokens at the start of each row's context it shares
+    chunk_ptr: np.ndarray  # [chunks + 1] int64: where each chunk's rows start in chunk_rows
+    chunk_rows: np.ndarray  # int64: rows, chunk after chunk
+
+    # A group is rows that hold the same page at index MIN_PAGES - 1 (pages come from a
+    # radix tree: the same page there means the same pages before it), sharing their
+    # longest common run of whole pages. It pays where it saves re-reading this many
+    # tokens a step (rows beyond one a chunk, times the shared tokens): below, the merge
+    # and the step's extra barrier a layer cost about what they save.
+    MIN_PAGES = 4
+    MIN_SAVED_TOKENS = 512
+
+    @classmethod
+    def find(
+        cls, pages: np.ndarray, seq_lens: np.ndarray, page_size: int, group_size: int
+    ) -> Cascade | None:
+        """``pages`` [B, P] and ``seq_lens`` [B] of a step's decodes (one row a sequence,
+        its new token the last of its length); chunks of at most ``group_size`` rows.
+        None where nothing would be saved."""
+        B = len(seq_lens)
+        full = (seq_lens - 1) // page_size  # whole pages before each row's new token
+        probe = cls.MIN_PAGES - 1
+        if B < 2 or group_size < 2 or pages.shape[1] <= probe:
+            return None
+        live = np.flatnonzero(full > probe)
+        keys = pages[live, probe]
+        order = live[np.argsort(keys, kind="stable")]
+        _, starts, counts = np.unique(pages[order, probe], return_index=True, return_counts=True)
+        row_shared = np.zeros(B, np.int64)
+        ptr, rows = [0], []
+        for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
+            if count < 2:
+                continue
+            members = order[start : start + count]
+            n = int(full[members].min())
+            same = (pages[members, :n] == pages[members[0], :n]).all(axis=0)
+            shared = (n if same.all() else int(same.argmin())) * page_size
+            chunks = -(-count // group_size)
+            if (count - chunks) * shared < cls.MIN_SAVED_TOKENS:
+                continue
+            row_shared[members] = shared
+            for part in np.array_split(members, chunks):  # near-equal chunks
+                rows += part.tolist()
+                ptr.append(len(rows))
+        if not rows:
+            return None
+        return cls(row_shared, np.asarray(ptr, np.int64), np.asarray(rows, np.int64))
+
+    def args(self) -> tuple[int, int, int, int]:
+        """actorlm_decode_step's row_shared, chunk_ptr, chunk_rows and n_chunks."""
+        return (
+            self.row_shared.ctypes.data,
+            self.chunk_ptr.ctypes.data,
+            self.chunk_rows.ctypes.data,
+            len(self.chunk_ptr) - 1,
+        )
 
 
 class DecodeStep:
@@ -223,6 +294,7 @@ class DecodeStep:
         threads: int = 0,
         row_slots: torch.Tensor | None = None,
         head_rows: np.ndarray | None = None,
+        cascade: Cascade | None = None,
     ) -> torch.Tensor:
         """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
         [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
@@ -230,7 +302,9 @@ class DecodeStep:
         ``row_slots`` [B] int32: each row's adapter slot (-1: the base model; needs
         ``set_lora``), or None for the base model alone. ``head_rows`` [N] int64,
         ascending: rows may be consecutive tokens of one sequence (each row's K and V
-        reach the pool before any row attends), and only these N get logits [N, vocab]."""
+        reach the pool before any row attends), and only these N get logits [N, vocab].
+        ``cascade``: rows whose contexts begin in the same pages (decodes alone, no
+        ``head_rows``), which then read those pages once a chunk of rows."""
         B = tokens.shape[0]
         lora = None
         if row_slots is not None:
@@ -250,6 +324,7 @@ class DecodeStep:
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
             int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
             (2 if self.extend_flash else 1) if heads is not None else 0, heads, n_head,
+            *(cascade.args() if cascade is not None and heads is None else (None, None, None, 0)),
             threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

@@ -1,0 +1,143 @@
+"""Cascade attention in the fused decode step: rows whose contexts begin in the same
+pages (a system prompt the prefix cache shares) read them once a chunk of rows and merge
+that part of their softmax with the part over their own tokens. The step's logits must
+be those of attending row by row, for each ISA build and both pool dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from actorlm.gpu.forward_meta import SeqSpec
+from actorlm.gpu.fused_decode import FusedDecoder
+from actorlm.gpu.kernels.step import CASCADE_ROWS, Cascade, native_step
+from actorlm.gpu.runner import ModelRunner
+
+from ..helpers import make_runner
+from .levels import LEVELS
+
+pytestmark = pytest.mark.skipif(native_step() is None, reason="needs a C compiler")
+
+PS = 16
+
+
+def test_rows_holding_the_same_pages_are_grouped() -> None:
+    # rows 0, 2, 3, 5, 6: pages 100-111 (192 tokens), then their own; row 1 shares
+    # nothing; row 4 only the first two pages (it holds another page at the probe index)
+    shared = list(range(100, 112))
+    tables = np.array(
+        [
+            [*shared, 200, 201],
+            [300 + i for i in range(14)],
+            [*shared, 210, 211],
+            [*shared, 220, 0],
+            [100, 101, *range(400, 412)],
+            [*shared, 230, 231],
+            [*shared, 240, 241],
+        ],
+        np.int64,
+    )
+    lens = np.array([210, 220, 200, 193, 220, 205, 224], np.int64)
+    c = Cascade.find(tables, lens, PS, group_size=5)
+    assert c is not None
+    assert c.row_shared.tolist() == [192, 0, 192, 192, 0, 192, 192]
+    assert c.chunk_ptr.tolist() == [0, 5] and sorted(c.chunk_rows.tolist()) == [0, 2, 3, 5, 6]
+    three = Cascade.find(tables, lens, PS, group_size=3)  # near-equal chunks of at most 3
+    assert three is not None and three.chunk_ptr.tolist() == [0, 3, 5]
+    # a row whose new token is in the last shared page shares the pages before it only
+    short = lens.copy()
+    short[3] = 182  # its token at position 181: page 11 is not whole
+    c = Cascade.find(tables, short, PS, group_size=5)
+    assert c is not None and c.row_shared.tolist() == [176, 0, 176, 176, 0, 176, 176]
+
+
+def test_nothing_is_grouped_where_too_little_is_shared() -> None:
+    tables = np.array([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], np.int64)
+    lens = np.array([90, 90], np.int64)  # 64 tokens shared by two rows: 64 saved
+    assert Cascade.find(tables, lens, PS, group_size=8) is None
+    assert Cascade.find(tables[:1], lens[:1], PS, group_size=8) is None
+    assert Cascade.find(tables, lens, PS, group_size=1) is None
+
+
+def run_shared_prefix(
+    runner: ModelRunner, rows: int, shared: int, tails: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Cascade | None]:
+    """``rows`` sequences over one ``shared``-token prompt (computed once, its pages in
+    every table) and tails of their own, then one decode step of all of them three times
+    (each writes the same KV): with the cascade, attending row by row, and through the
+    model's own forward."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, 30000, (shared,), generator=g).tolist()
+    head = list(range(shared // PS))
+    runner.run([SeqSpec(prompt, 0, head)])
+    free = iter(range(len(head), runner.pool.num_pages))
+    tables, steps = [], []
+    for i in range(rows):
+        tail = torch.randint(10, 30000, (tails[i % len(tails)],), generator=g).tolist()
+        end = shared + len(tail) + 1
+        table = head + [next(free) for _ in range(-(-end // PS) - len(head))]
+        first = runner.run([SeqSpec(tail, shared, table, prompt_len=end - 1)])
+        tables.append(table)
+        steps.append(SeqSpec([int(first[0].argmax())], end - 1, table))
+    fused = runner.fused
+    assert fused is not None and fused.accepts(steps)
+    width = max(len(t) for t in tables)
+    pages = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
+    lens = np.array([s.start_pos + 1 for s in steps], np.int64)
+    info = runner.info
+    found = Cascade.find(pages, lens, PS, CASCADE_ROWS // (info.num_heads // info.num_kv_heads))
+    fused.cascade = True
+    got = runner.run(steps)
+    fused.cascade = False
+    want = runner.run(steps)
+    runner.fused = None
+    ref = runner.run(steps)
+    runner.fused = fused
+    return got, want, ref, found
+
+
+# tails from one token to several pages, one ending a page exactly
+TAILS = [1, 7, 15, 16, 40, 3, 29]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cascade_gives_the_row_by_row_logits(
+    tiny_model_factory: Callable[..., Path], level: str, dtype: str
+) -> None:
+    """The default model's head shape (D 64, 3 query heads a KV head: chunks of 5 rows,
+    the tiles' and dot products' paths over bf16 pages) with 12 rows in three chunks.
+    Weights of a narrower spread than the other tests' keep bf16's roundings from
+    growing through the layers: they are what is compared there."""
+    path = tiny_model_factory(
+        "llama",
+        hidden_size=192,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        initializer_range=0.05,
+    )
+    runner = make_runner(path, dtype=dtype, num_pages=400)
+    runner.fused, why = FusedDecoder.build(runner.model, runner.backend, 32, level)
+    assert runner.fused is not None, why
+    got, want, ref, found = run_shared_prefix(runner, 12, 256, TAILS)
+    assert found is not None and found.chunk_ptr.tolist() == [0, 4, 8, 12]
+    assert found.row_shared.tolist() == [256] * 12
+    if dtype == "float32":  # summation orders alone
+        assert (got - want).abs().max().item() < 1e-4
+        assert (got - ref).abs().max().item() < 1e-4
+    else:  # q and each part's probabilities rounded to bf16 apart: as far from the
+        # model's forward as attending row by row is (both ~0.025 on AMX, 2026-12-05)
+        assert (got - ref).abs().max().item() < 0.05
+        assert (want - ref).abs().max().item() < 0.05
+
+
+def test_cascade_over_small_heads(tiny_llama: Path) -> None:
+    """The tiny model's 16-wide heads take the generic loops; 2 query heads a KV head."""
+    runner = make_runner(tiny_llama, num_pages=400)
+    got, want, ref, found = run_shared_prefix(runner, 9, 96, TAILS)
+    assert found is not None and found.row_shared.tolist() == [96] * 9
+    assert (got - want).abs().max().item() < 1e-4
+    assert (got - ref).abs().max().item() < 1e-4
