@@ -1,6 +1,7 @@
 """Decodes over a shared system prompt: the fused step's cascade attention (the shared
 pages read once for a chunk of rows, kernels/step.py's ``Cascade``) against attending
-row by row, in one run.
+row by row, in one run; with ``--fused-decode-max-batch 0`` the cpu attention backend's
+decodes (the model's forward: batches past the fused step's, families it does not take).
 
 A prompt of ``--shared-len`` tokens is prefilled once; each of B sequences then adds
 ``--tail-len`` tokens of its own over those pages (as the prefix cache hands them out)
@@ -9,6 +10,7 @@ without, alternating in ``--repeats`` rounds (best round kept) so load drift hit
 
     python bench/cascade.py                                   # B 4 16 32 over 1,024
     python bench/cascade.py --batch-sizes 8 --shared-len 4096 --quantization gguf_a8
+    python bench/cascade.py --fused-decode-max-batch 0        # through the backend
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="gguf")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument(
+        "--fused-decode-max-batch", type=int, default=-1, help="0: decodes through the backend"
+    )
     p.add_argument("--out", default="bench/results/cascade.json", help="raw results (JSON)")
     return p.parse_args()
 
@@ -52,7 +57,6 @@ def parse_args() -> argparse.Namespace:
 def measure(engine: Ours, b: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """ms a step with the cascade on and off, for ``b`` sequences over the shared pages."""
     runner = engine.runner
-    assert runner.fused is not None, "the fused decode step does not run this model here"
     ps, vocab = runner.info.page_size, runner.info.vocab_size
     shared = prompt_ids(args.shared_len, 0, vocab)
     head = list(range(-(-args.shared_len // ps)))
@@ -73,7 +77,7 @@ def measure(engine: Ours, b: int, args: argparse.Namespace) -> dict[str, list[fl
     ms: dict[str, list[float]] = {"cascade": [], "row by row": []}
     for r in range(args.repeats + 1):
         for mode in ms:
-            runner.fused.cascade = mode == "cascade"
+            switch(engine, mode == "cascade")
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 seqs = [
@@ -84,8 +88,15 @@ def measure(engine: Ours, b: int, args: argparse.Namespace) -> dict[str, list[fl
             if r:  # the first round warms up
                 ms[mode].append((time.perf_counter() - t0) / args.steps * 1e3)
     engine._forward([], release=["shared", *rids])
-    runner.fused.cascade = True
+    switch(engine, True)
     return ms
+
+
+def switch(engine: Ours, on: bool) -> None:
+    """The cascade on or off wherever decodes attend: the fused step and the backend."""
+    engine.runner.backend.cascade = on  # type: ignore[attr-defined]
+    if engine.runner.fused is not None:
+        engine.runner.fused.cascade = on
 
 
 def main() -> None:
@@ -94,13 +105,18 @@ def main() -> None:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     steps = 2 * (args.repeats + 1) * args.steps + 1
     pages = -(-args.shared_len // 16) + max(sizes) * -(-(args.tail_len + steps) // 16) + 1
-    opts = argparse.Namespace(fused_decode_max_batch=-1, threads=args.threads, attention_backend="")
+    opts = argparse.Namespace(
+        fused_decode_max_batch=args.fused_decode_max_batch,
+        threads=args.threads,
+        attention_backend="",
+    )
     engine = Ours(path, opts, pages, args.dtype, args.quantization, "auto")
     runs = {b: measure(engine, b, args) for b in sizes}
     m = machine.describe()
     print(f"{m['cpu']}, {m['cores']} cores, flags {' '.join(m['isa_flags'])}")
     print(
-        f"{args.dtype} {args.quantization}: decodes over a shared {args.shared_len}-token "
+        f"{args.dtype} {args.quantization}, "
+        f"{'fused step' if engine.runner.fused else 'the backend'}: decodes over a shared {args.shared_len}-token "
         f"prompt and {args.tail_len} tokens each; ms a step, best of {args.repeats}\n"
     )
     print("| sequences | cascade | row by row | speed-up |")

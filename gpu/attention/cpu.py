@@ -16,7 +16,9 @@ and its prompts through ``cpu_prefill.c`` (bf16 products where the CPU has them,
 tiles do not take run torch's flash attention, ``torch_prompts_faster``); that
 decode kernel also takes windows and soft-capped scores, over bf16 or fp32 pages, so
 capped decodes of either pool run it (Gemma 2's decodes at batch 32 spent ~1.5 ms
-a layer in the torch path's gather, cap and softmax). Anything the kernels do not
+a layer in the torch path's gather, cap and softmax). That kernel also attends in a
+cascade (``kernels/step.py``'s ``Cascade``): decodes whose tables begin in the same pages
+read them once for a chunk of rows. Anything the kernels do not
 cover (other dtypes or devices, no C compiler, windowed or capped prompts) takes the
 torch path. (Decode-only steps of small batches skip the backend altogether:
 the fused step, ``gpu/fused_decode.py``, attends inside its one native call.)
@@ -33,7 +35,7 @@ import torch
 from ..forward_meta import ForwardMeta
 from ..kernels import native
 from ..kernels.attention import decode_kernel, prefill_kernel, prefill_tiles
-from ..kernels.step import native_step
+from ..kernels.step import CASCADE_ROWS, Cascade, native_step
 from .torch_native import TorchNativeBackend, _Decode, _Prefill
 
 __all__ = ["CpuBackend", "torch_prompts_faster"]
@@ -70,6 +72,9 @@ class CpuBackend(TorchNativeBackend):
         self._prefill_kernel = prefill_kernel() if self._bf16 else None
         tiles = self._prefill_kernel is not None and prefill_tiles()
         self._torch_prompts = torch_prompts_faster(native.cpu_flags(), self.head_dim, tiles)
+        # decodes whose contexts begin in the same pages read them once a chunk of rows
+        # (kernels/step.py's Cascade; the bf16 pool's kernel, outside windows)
+        self.cascade = True
 
     def _plan_prefill(
         self, meta: ForwardMeta, i: int, window: int, device: torch.device
@@ -116,6 +121,10 @@ class CpuBackend(TorchNativeBackend):
         lens = torch.tensor(d.seq_lens, dtype=torch.int64)
         starts = None if d.starts is None else torch.tensor(d.starts, dtype=torch.int64)
         d.kernel_args = (table, lens) if starts is None else (table, lens, starts)
+        kv_kernel = self._bf16 or meta.logit_softcap  # _decode's choice
+        if self.cascade and kv_kernel and starts is None and self._kv_kernel is not None:
+            group = CASCADE_ROWS // (self.num_heads // self.num_kv_heads)
+            d.cascade = Cascade.find(table.numpy(), lens.numpy(), self.pool.page_size, group)
         return d
 
     def _decode(self, q: torch.Tensor, layer: int, d: _Decode, cap: float = 0.0) -> torch.Tensor:
@@ -132,9 +141,11 @@ class CpuBackend(TorchNativeBackend):
         B, H, D = d.batch, self.num_heads, self.head_dim
         out = qd.new_empty(B, H * D)
         pool = self.pool
-        # cpu_step.c's kernel: a KV-dtype flag after the pages, the soft cap after the scale
+        # cpu_step.c's kernel: a KV-dtype flag after the pages; the soft cap and the
+        # cascade's rows (kernels/step.py), if any, after the scale
         kv = (int(self._bf16),) if kernel is self._kv_kernel else ()
-        capped = (float(cap),) if kv else ()
+        cascade = d.cascade.args() if d.cascade is not None else (None, None, None, 0)
+        capped = (float(cap), *cascade) if kv else ()
         rc = kernel(
             qd.data_ptr(),
             qd.stride(0),

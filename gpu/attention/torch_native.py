@@ -27,7 +27,7 @@ all layers, so the per-layer Python cost is a handful of ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ import torch.nn.functional as F
 
 from ..forward_meta import ForwardMeta
 from .base import AttentionBackend
+
+if TYPE_CHECKING:
+    from ..kernels.step import Cascade
 
 __all__ = ["TorchNativeBackend", "softcapped_attention"]
 
@@ -60,6 +63,7 @@ class _Decode:
     gather_rows: torch.Tensor | None = None  # [2 * Hkv * B * P] rows of KVPool.page_rows
     mask: torch.Tensor | None = None  # [B, 1, 1, key_len] bool; None when nothing is masked
     kernel_args: tuple[torch.Tensor, ...] = ()  # what a subclass's decode kernel reads
+    cascade: Cascade | None = None  # rows sharing their first pages (a subclass's kernel)
 
 
 @dataclass

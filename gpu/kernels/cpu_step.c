@@ -144,6 +144,18 @@ static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     *hi = n * (t + 1) / nt;
 }
 
+/* attend_kv over bf16 or fp32 pages (kh, vh: one KV head's), each dtype its own
+   instantiation */
+static void attend_pages(int64_t kv_bf16, const float *q, const void *kh, const void *vh,
+                         const int64_t *pages, int64_t len, int64_t rows, int64_t D,
+                         int64_t page_size, float scale, int64_t start, float cap, float *scores,
+                         float *acc, float *out, float *ml) {
+    if (kv_bf16)
+        attend_kv(1, q, kh, vh, pages, len, rows, D, page_size, scale, start, cap, scores, acc, out, ml);
+    else
+        attend_kv(0, q, kh, vh, pages, len, rows, D, page_size, scale, start, cap, scores, acc, out, ml);
+}
+
 /* `rows` query rows q [rows, D] (rotated) over `len` tokens of `pages` in KV head h of
    layer l: one sequence's G heads, or the rows of several sequences over the pages they
    share (cascade). ml: NULL, or the parts' merge (attend_kv). */
@@ -154,12 +166,8 @@ static void attend_rows(const model_t *M, int64_t l, int64_t h, const float *q, 
     const int64_t head_elems = M->num_pages * M->page_size * D, esize = M->kv_bf16 ? 2 : 4;
     const char *kbase = (const char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
     const char *vbase = (const char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
-    if (M->kv_bf16)
-        attend_kv(1, q, kbase, vbase, pages, len, rows, D, M->page_size, (float)M->scale, 0, 0.f, scores,
-                  acc, out, ml);
-    else
-        attend_kv(0, q, kbase, vbase, pages, len, rows, D, M->page_size, (float)M->scale, 0, 0.f, scores,
-                  acc, out, ml);
+    attend_pages(M->kv_bf16, q, kbase, vbase, pages, len, rows, D, M->page_size, (float)M->scale,
+                 0, 0.f, scores, acc, out, ml);
 }
 
 /* The G query heads of KV head h (rotated, in qkv's row b) over seq_len tokens */
@@ -203,21 +211,38 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
    widest (attend_amx.h, attend_dp.h) */
 #define CASCADE_ROWS 16
 
-/* Cascade chunk i's rows (chunk_rows[chunk_ptr[i] ..]) over the `shared` tokens of pages
-   they all begin with, KV head h: their q rows gathered into cq, the shared part into co
-   and cml, merged into each row's own part (attn, ml_rows) as its output. */
+/* One cascade chunk of KV head kh / vh: the G query heads of sequences rows[0 .. n)
+   (row b's at q + b * qs, rotated) over the `shared` tokens of `pages` they all begin
+   with, gathered into cq and attended at once into co and cml, then merged into each
+   row's own part (its output at out + b * os, its ml at ml + b * ms) as its output. */
+static void cascade_rows(int64_t kv_bf16, const void *kh, const void *vh, const float *q,
+                         int64_t qs, const int64_t *rows, int64_t n, const int64_t *pages,
+                         int64_t shared, int64_t G, int64_t D, int64_t page_size, float scale,
+                         float cap, float *scores, float *acc, float *cq, float *co, float *cml,
+                         float *out, int64_t os, float *ml, int64_t ms) {
+    const int64_t GD = G * D;
+    for (int64_t j = 0; j < n; j++)
+        memcpy(cq + j * GD, q + rows[j] * qs, sizeof(float) * (size_t)GD);
+    attend_pages(kv_bf16, cq, kh, vh, pages, shared, n * G, D, page_size, scale, 0, cap, scores,
+                 acc, co, cml);
+    for (int64_t j = 0; j < n; j++) {
+        float *o = out + rows[j] * os;
+        att_merge(o, ml + rows[j] * ms, co + j * GD, cml + j * G * 2, G, D, o);
+    }
+}
+
+/* The fused step's cascade chunk i (chunk_rows[chunk_ptr[i] ..]) in KV head h of layer l */
 static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qkv, int64_t qkv_n,
                          const int64_t *rows, int64_t n, const int64_t *pages, int64_t shared,
                          float *scores, float *acc, float *cq, float *co, float *cml, float *attn,
                          float *ml_rows) {
-    const int64_t D = M->head_dim, H = M->heads, G = H / M->kv_heads, GD = G * D;
-    for (int64_t j = 0; j < n; j++)
-        memcpy(cq + j * GD, qkv + rows[j] * qkv_n + h * GD, sizeof(float) * (size_t)GD);
-    attend_rows(M, l, h, cq, n * G, pages, shared, scores, acc, co, cml);
-    for (int64_t j = 0; j < n; j++) {
-        float *o = attn + rows[j] * H * D + h * GD;
-        att_merge(o, ml_rows + (rows[j] * H + h * G) * 2, co + j * GD, cml + j * G * 2, G, D, o);
-    }
+    const int64_t D = M->head_dim, H = M->heads, Hkv = M->kv_heads, G = H / Hkv;
+    const int64_t head_elems = M->num_pages * M->page_size * D, esize = M->kv_bf16 ? 2 : 4;
+    const char *kbase = (const char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
+    const char *vbase = (const char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
+    cascade_rows(M->kv_bf16, kbase, vbase, qkv + h * G * D, qkv_n, rows, n, pages, shared, G, D,
+                 M->page_size, (float)M->scale, 0.f, scores, acc, cq, co, cml, attn + h * G * D,
+                 H * D, ml_rows + h * G * 2, H * 2);
 }
 
 #if defined(__AVX512BF16__)
@@ -490,40 +515,57 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
 
 /* The cpu attention backend's decodes over a bf16 pool (cpu_decode.c reads fp32):
    the arguments of actorlm_paged_decode (starts NULL: none), q and out fp32, and the
-   soft cap of the scores (0: none). */
+   soft cap of the scores (0: none); and, with no starts, actorlm_decode_step's cascade
+   (row_shared, chunk_ptr, chunk_rows, n_chunks; n_chunks 0: none). */
 int actorlm_paged_decode_kv(const float *q, int64_t q_stride_b, const void *k, const void *v,
                             int64_t kv_bf16, int64_t num_pages, const int64_t *pages,
                             int64_t table_stride, const int64_t *seq_lens, const int64_t *starts,
                             float *out, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                             int64_t page_size, int64_t max_len, float scale, float softcap,
-                            int threads) {
+                            const int64_t *row_shared, const int64_t *chunk_ptr,
+                            const int64_t *chunk_rows, int64_t n_chunks, int threads) {
     int failed = 0;
     const int64_t head_elems = num_pages * page_size * D, esize = kv_bf16 ? 2 : 4;
+    if (starts) n_chunks = 0;
+    const int64_t SG = n_chunks && G < CASCADE_ROWS ? CASCADE_ROWS : G, GD = G * D;
+    float *ml = n_chunks ? malloc(sizeof(float) * (size_t)(B * Hkv * G * 2)) : NULL;
+    if (n_chunks && ml == NULL) return -1;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(max_len * G + G * D + 8));
+        float *scores = malloc(sizeof(float) * (size_t)(max_len * SG + 4 * SG * D + 8));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+        float *acc = scores + max_len * SG, *cq = acc + SG * D, *co = cq + SG * D, *cml = co + SG * D;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < Hkv; h++) {
                 if (scores == NULL) continue;
                 const char *kh = (const char *)k + h * head_elems * esize;
                 const char *vh = (const char *)v + h * head_elems * esize;
-                const float *qb = q + b * q_stride_b + h * G * D;
-                float *ob = out + (b * Hkv + h) * G * D, *acc = scores + max_len * G;
-                const int64_t first = starts ? starts[b] : 0;
-                if (kv_bf16)
-                    attend_kv(1, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
-                              scale, first, softcap, scores, acc, ob, NULL);
-                else
-                    attend_kv(0, qb, kh, vh, pages + b * table_stride, seq_lens[b], G, D, page_size,
-                              scale, first, softcap, scores, acc, ob, NULL);
+                const int64_t skip = n_chunks ? row_shared[b] : 0; /* whole pages */
+                attend_pages(kv_bf16, q + b * q_stride_b + h * GD, kh, vh,
+                             pages + b * table_stride + skip / page_size, seq_lens[b] - skip, G,
+                             D, page_size, scale, starts ? starts[b] : 0, softcap, scores, acc,
+                             out + (b * Hkv + h) * GD, skip ? ml + (b * Hkv + h) * G * 2 : NULL);
+            }
+        }
+        if (n_chunks) { /* every row's own part is in (the loop's barrier): the shared parts */
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < n_chunks * Hkv; task++) {
+                if (scores == NULL) continue;
+                const int64_t i = task / Hkv, h = task % Hkv;
+                const int64_t *rows = chunk_rows + chunk_ptr[i];
+                cascade_rows(kv_bf16, (const char *)k + h * head_elems * esize,
+                             (const char *)v + h * head_elems * esize, q + h * GD, q_stride_b,
+                             rows, chunk_ptr[i + 1] - chunk_ptr[i], pages + rows[0] * table_stride,
+                             row_shared[rows[0]], G, D, page_size, scale, softcap, scores, acc, cq,
+                             co, cml, out + h * GD, Hkv * GD, ml + h * G * 2, Hkv * G * 2);
             }
         }
         free(scores);
     }
+    free(ml);
     return failed ? -1 : 0;
 }

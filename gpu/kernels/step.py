@@ -74,7 +74,7 @@ def native_step(level: str = "") -> Any | None:
     step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _T]  # fmt: skip
     step.restype = ctypes.c_int
     attn = lib.actorlm_paged_decode_kv
-    attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _T]
+    attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _T]  # fmt: skip
     attn.restype = ctypes.c_int
     return lib
 

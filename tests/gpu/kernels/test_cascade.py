@@ -1,7 +1,8 @@
-"""Cascade attention in the fused decode step: rows whose contexts begin in the same
-pages (a system prompt the prefix cache shares) read them once a chunk of rows and merge
-that part of their softmax with the part over their own tokens. The step's logits must
-be those of attending row by row, for each ISA build and both pool dtypes."""
+"""Cascade attention in the fused decode step and in the cpu backend's decodes: rows
+whose contexts begin in the same pages (a system prompt the prefix cache shares) read
+them once a chunk of rows and merge that part of their softmax with the part over their
+own tokens. The logits must be those of attending row by row, for each ISA build and
+both pool dtypes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from actorlm.gpu.attention.cpu import CpuBackend
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.fused_decode import FusedDecoder
 from actorlm.gpu.kernels.step import CASCADE_ROWS, Cascade, native_step
@@ -75,6 +77,8 @@ def run_shared_prefix(
     runner.run([SeqSpec(prompt, 0, head)])
     free = iter(range(len(head), runner.pool.num_pages))
     tables, steps = [], []
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
     for i in range(rows):
         tail = torch.randint(10, 30000, (tails[i % len(tails)],), generator=g).tolist()
         end = shared + len(tail) + 1
@@ -83,20 +87,23 @@ def run_shared_prefix(
         tables.append(table)
         steps.append(SeqSpec([int(first[0].argmax())], end - 1, table))
     fused = runner.fused
-    assert fused is not None and fused.accepts(steps)
+    assert fused is None or fused.accepts(steps)
     width = max(len(t) for t in tables)
     pages = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
     lens = np.array([s.start_pos + 1 for s in steps], np.int64)
     info = runner.info
     found = Cascade.find(pages, lens, PS, CASCADE_ROWS // (info.num_heads // info.num_kv_heads))
-    fused.cascade = True
-    got = runner.run(steps)
-    fused.cascade = False
-    want = runner.run(steps)
-    runner.fused = None
+    backend = runner.backend
+    assert isinstance(backend, CpuBackend)
+    for on in (True, False):
+        backend.cascade = on
+        if fused is not None:
+            fused.cascade = on
+        (got if on else want).append(runner.run(steps))
+    runner.fused = None  # the model's forward, its backend attending row by row
     ref = runner.run(steps)
     runner.fused = fused
-    return got, want, ref, found
+    return got[0], want[0], ref, found
 
 
 # tails from one token to several pages, one ending a page exactly
@@ -141,3 +148,29 @@ def test_cascade_over_small_heads(tiny_llama: Path) -> None:
     assert found is not None and found.row_shared.tolist() == [96] * 9
     assert (got - want).abs().max().item() < 1e-4
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_the_backends_decodes_attend_in_a_cascade(tiny_model_factory: Callable[..., Path]) -> None:
+    """Decodes the fused step does not take (here: turned off) go through the cpu
+    backend's kernel over the bf16 pool, with the same cascade."""
+    path = tiny_model_factory(
+        "llama",
+        hidden_size=192,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        initializer_range=0.05,
+    )
+    runner = make_runner(path, dtype="bfloat16", num_pages=400, fused_decode_max_batch=0)
+    got, want, _, found = run_shared_prefix(runner, 12, 256, TAILS)
+    assert runner.fused is None and found is not None
+    assert (got - want).abs().max().item() < 0.05
+
+
+def test_soft_capped_scores_in_a_cascade(family_model_factory: Callable[..., Path]) -> None:
+    """Gemma 2 (no fused step): soft-capped scores over fp32 pages take the backend's
+    kernel too; its global layers attend in a cascade (its windowed ones cannot: their
+    keys start inside a page), and the logits are those of attending row by row."""
+    runner = make_runner(family_model_factory("gemma2"), num_pages=400)
+    got, want, _, found = run_shared_prefix(runner, 9, 128, TAILS)
+    assert runner.fused is None and found is not None
+    assert (got - want).abs().max().item() < 1e-4
