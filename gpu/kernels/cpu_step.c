@@ -231,6 +231,25 @@ static void cascade_rows(int64_t kv_bf16, const void *kh, const void *vh, const 
     }
 }
 
+/* Whether the cascade's arguments are what the kernels assume (kernels/step.py's
+   Cascade makes them so): chunks of at most `most` query rows, each row's shared tokens
+   whole pages before its last token, the same for a chunk's rows. */
+static int cascade_ok(const int64_t *row_shared, const int64_t *chunk_ptr,
+                      const int64_t *chunk_rows, int64_t n_chunks, const int64_t *seq_lens,
+                      int64_t B, int64_t G, int64_t most, int64_t page_size) {
+    for (int64_t i = 0; i < n_chunks; i++) {
+        const int64_t n = chunk_ptr[i + 1] - chunk_ptr[i], *rows = chunk_rows + chunk_ptr[i];
+        if (n < 1 || n * G > most) return 0;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t b = rows[j], shared = b >= 0 && b < B ? row_shared[b] : -1;
+            if (shared <= 0 || shared % page_size || shared >= seq_lens[b] ||
+                shared != row_shared[rows[0]])
+                return 0;
+        }
+    }
+    return 1;
+}
+
 /* The fused step's cascade chunk i (chunk_rows[chunk_ptr[i] ..]) in KV head h of layer l */
 static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qkv, int64_t qkv_n,
                          const int64_t *rows, int64_t n, const int64_t *pages, int64_t shared,
@@ -356,9 +375,12 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
 #endif
     if (R > LORA_MAX_RANK) return -1;
-    if (store_first) n_chunks = 0;
+    const int64_t most = G < CASCADE_ROWS ? CASCADE_ROWS : G;
+    if (store_first || !cascade_ok(row_shared, chunk_ptr, chunk_rows, n_chunks, seq_lens, B, G,
+                                   most, M->page_size))
+        n_chunks = 0;
     /* query rows an attention call takes at most: a sequence's G, or a cascade chunk's */
-    const int64_t SG = n_chunks && G < CASCADE_ROWS ? CASCADE_ROWS : G;
+    const int64_t SG = n_chunks ? most : G;
     /* shared between the threads: each phase's output (and the adapters' shrinks) */
     float *shared = malloc(sizeof(float) * (size_t)(B * (qkv_n + H * D + Hd + I + 5 * R + 2 * H)));
     if (shared == NULL) return -1;
@@ -526,8 +548,11 @@ int actorlm_paged_decode_kv(const float *q, int64_t q_stride_b, const void *k, c
                             const int64_t *chunk_rows, int64_t n_chunks, int threads) {
     int failed = 0;
     const int64_t head_elems = num_pages * page_size * D, esize = kv_bf16 ? 2 : 4;
-    if (starts) n_chunks = 0;
-    const int64_t SG = n_chunks && G < CASCADE_ROWS ? CASCADE_ROWS : G, GD = G * D;
+    const int64_t most = G < CASCADE_ROWS ? CASCADE_ROWS : G, GD = G * D;
+    if (starts || !cascade_ok(row_shared, chunk_ptr, chunk_rows, n_chunks, seq_lens, B, G, most,
+                              page_size))
+        n_chunks = 0;
+    const int64_t SG = n_chunks ? most : G;
     float *ml = n_chunks ? malloc(sizeof(float) * (size_t)(B * Hkv * G * 2)) : NULL;
     if (n_chunks && ml == NULL) return -1;
 #pragma omp parallel num_threads(threads)
@@ -537,7 +562,9 @@ int actorlm_paged_decode_kv(const float *q, int64_t q_stride_b, const void *k, c
 #pragma omp atomic write
             failed = 1;
         }
-        float *acc = scores + max_len * SG, *cq = acc + SG * D, *co = cq + SG * D, *cml = co + SG * D;
+        float *acc = scores ? scores + max_len * SG : NULL;
+        float *cq = acc ? acc + SG * D : NULL, *co = cq ? cq + SG * D : NULL;
+        float *cml = co ? co + SG * D : NULL;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < Hkv; h++) {

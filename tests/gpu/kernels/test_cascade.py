@@ -174,3 +174,33 @@ def test_soft_capped_scores_in_a_cascade(family_model_factory: Callable[..., Pat
     got, want, _, found = run_shared_prefix(runner, 9, 128, TAILS)
     assert runner.fused is None and found is not None
     assert (got - want).abs().max().item() < 1e-4
+
+
+def test_a_cascade_the_kernels_cannot_take_is_not_taken(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks wider than the kernels' rows, or shared tokens that are not whole pages
+    before a row's last token, make the kernels attend row by row: the same bits."""
+    path = tiny_model_factory(
+        "llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1
+    )
+    find = Cascade.find.__func__  # type: ignore[attr-defined]
+
+    def too_wide(cls: type[Cascade], *args: object) -> Cascade | None:
+        c = find(cls, *args)
+        if c is None or len(c.row_shared) != 12:
+            return c
+        return Cascade(c.row_shared, np.array([0, 12], np.int64), np.arange(12, dtype=np.int64))
+
+    def not_pages(cls: type[Cascade], *args: object) -> Cascade | None:
+        c = find(cls, *args)
+        return None if c is None else Cascade(c.row_shared - 1, c.chunk_ptr, c.chunk_rows)
+
+    for bad in (too_wide, not_pages):
+        monkeypatch.setattr(Cascade, "find", classmethod(bad))
+        for fused in (32, 0):
+            runner = make_runner(
+                path, dtype="bfloat16", num_pages=400, fused_decode_max_batch=fused
+            )
+            got, want, _, _ = run_shared_prefix(runner, 12, 256, TAILS)
+            assert torch.equal(got, want)
