@@ -3,8 +3,9 @@ pages read once for a chunk of rows, kernels/step.py's ``Cascade``) against atte
 row by row, in one run; with ``--fused-decode-max-batch 0`` the cpu attention backend's
 decodes (the model's forward: batches past the fused step's, families it does not take).
 
-A prompt of ``--shared-len`` tokens is prefilled once; each of B sequences then adds
-``--tail-len`` tokens of its own over those pages (as the prefix cache hands them out)
+A prompt of ``--shared-len`` tokens is prefilled once (one a group: ``--groups``, the
+sequences dealt to them in turn); each of B sequences then adds ``--tail-len`` tokens
+of its own over those pages (as the prefix cache hands them out)
 and decodes; each batch size runs ``--steps`` decode steps with the cascade and as many
 without, alternating in ``--repeats`` rounds (best round kept) so load drift hits both.
 
@@ -42,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="4,16,32", help="sequences, comma-separated")
     p.add_argument("--shared-len", type=int, default=1024, help="the shared prompt's tokens")
     p.add_argument("--tail-len", type=int, default=40, help="each sequence's own prompt tokens")
+    p.add_argument("--groups", type=int, default=1, help="shared prompts, sequences dealt out")
     p.add_argument("--steps", type=int, default=24, help="decode steps a round and mode")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
@@ -58,15 +60,22 @@ def measure(engine: Ours, b: int, args: argparse.Namespace) -> dict[str, list[fl
     """ms a step with the cascade on and off, for ``b`` sequences over the shared pages."""
     runner = engine.runner
     ps, vocab = runner.info.page_size, runner.info.vocab_size
-    shared = prompt_ids(args.shared_len, 0, vocab)
-    head = list(range(-(-args.shared_len // ps)))
-    init = SeqInit(sampling=GREEDY, token_ids=shared, prompt_len=len(shared))
-    engine._forward([SeqStep("shared", shared, 0, head, True, init)])
+    per = -(-args.shared_len // ps)
+    heads, prompts = [], []
+    for g in range(args.groups):
+        shared = prompt_ids(args.shared_len, 1000 + g, vocab)
+        head = list(range(g * per, (g + 1) * per))
+        init = SeqInit(sampling=GREEDY, token_ids=shared, prompt_len=len(shared))
+        engine._forward([SeqStep(f"shared{g}", shared, 0, head, True, init)])
+        heads.append(head)
+        prompts.append(shared)
     steps = 2 * (args.repeats + 1) * args.steps + 1
     own = -(-(args.tail_len + steps) // ps)
+    base = args.groups * per
     rids, tables, tokens = [f"s{i}" for i in range(b)], [], []
     for i, rid in enumerate(rids):
-        table = head + list(range(len(head) + i * own, len(head) + (i + 1) * own))
+        head, shared = heads[i % args.groups], prompts[i % args.groups]
+        table = head + list(range(base + i * own, base + (i + 1) * own))
         ids = shared + prompt_ids(args.tail_len, 1 + i, vocab)
         init = SeqInit(sampling=GREEDY, token_ids=ids, prompt_len=len(ids))
         tokens += engine._forward(
@@ -87,7 +96,7 @@ def measure(engine: Ours, b: int, args: argparse.Namespace) -> dict[str, list[fl
                 pos += 1
             if r:  # the first round warms up
                 ms[mode].append((time.perf_counter() - t0) / args.steps * 1e3)
-    engine._forward([], release=["shared", *rids])
+    engine._forward([], release=[*(f"shared{g}" for g in range(args.groups)), *rids])
     switch(engine, True)
     return ms
 
@@ -104,7 +113,8 @@ def main() -> None:
     path = str(model_path(ModelConfig(path=args.model)))
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     steps = 2 * (args.repeats + 1) * args.steps + 1
-    pages = -(-args.shared_len // 16) + max(sizes) * -(-(args.tail_len + steps) // 16) + 1
+    pages = args.groups * -(-args.shared_len // 16) + max(sizes) * -(-(args.tail_len + steps) // 16)
+    pages += 1
     opts = argparse.Namespace(
         fused_decode_max_batch=args.fused_decode_max_batch,
         threads=args.threads,
@@ -116,8 +126,9 @@ def main() -> None:
     print(f"{m['cpu']}, {m['cores']} cores, flags {' '.join(m['isa_flags'])}")
     print(
         f"{args.dtype} {args.quantization}, "
-        f"{'fused step' if engine.runner.fused else 'the backend'}: decodes over a shared {args.shared_len}-token "
-        f"prompt and {args.tail_len} tokens each; ms a step, best of {args.repeats}\n"
+        f"{'fused step' if engine.runner.fused else 'the backend'}: decodes over "
+        f"{args.groups} shared {args.shared_len}-token "
+        f"prompt(s) and {args.tail_len} tokens each; ms a step, best of {args.repeats}\n"
     )
     print("| sequences | cascade | row by row | speed-up |")
     print("| ---: | ---: | ---: | ---: |")

@@ -160,11 +160,17 @@ class Cascade:
 
     # A group is rows that hold the same page at index MIN_PAGES - 1 (pages come from a
     # radix tree: the same page there means the same pages before it), sharing their
-    # longest common run of whole pages. It pays where it saves re-reading this many
-    # tokens a step (rows beyond one a chunk, times the shared tokens): below, the merge
-    # and the step's extra barrier a layer cost about what they save.
+    # longest common run of whole pages. A step takes the cascade where its groups hold
+    # MIN_ROWS rows or more and save re-reading MIN_SAVED_TOKENS tokens or more (rows
+    # beyond one a chunk, times the shared tokens): below, the merge, the extra barrier
+    # a layer and the shared parts' few tasks (a chunk's KV heads over the threads) cost
+    # what they save. bench/cascade.py on the 2-core AMX Xeon, cascade against row by
+    # row, one group: 2 rows over 2,048 shared tokens 0.98x, 4 over 1,024 0.98x, 4 over
+    # 256 0.91x, 8 over 128 0.95x, 6 over 256 0.96x; 5 over 1,024 1.05x, 8 over 512
+    # 1.03x, 16 over 1,024 1.14x; four groups of 4 over 1,024 each: see bench/README.md.
     MIN_PAGES = 4
-    MIN_SAVED_TOKENS = 512
+    MIN_ROWS = 5
+    MIN_SAVED_TOKENS = 2048
 
     @classmethod
     def find(
@@ -172,18 +178,18 @@ class Cascade:
     ) -> Cascade | None:
         """``pages`` [B, P] and ``seq_lens`` [B] of a step's decodes (one row a sequence,
         its new token the last of its length); chunks of at most ``group_size`` rows.
-        None where nothing would be saved."""
+        None where too little would be saved."""
         B = len(seq_lens)
         full = (seq_lens - 1) // page_size  # whole pages before each row's new token
         probe = cls.MIN_PAGES - 1
-        if B < 2 or group_size < 2 or pages.shape[1] <= probe:
+        if B < cls.MIN_ROWS or group_size < 2 or pages.shape[1] <= probe:
             return None
         live = np.flatnonzero(full > probe)
         keys = pages[live, probe]
         order = live[np.argsort(keys, kind="stable")]
         _, starts, counts = np.unique(pages[order, probe], return_index=True, return_counts=True)
         row_shared = np.zeros(B, np.int64)
-        ptr, rows = [0], []
+        ptr, rows, saved = [0], [], 0
         for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
             if count < 2:
                 continue
@@ -192,13 +198,12 @@ class Cascade:
             same = (pages[members, :n] == pages[members[0], :n]).all(axis=0)
             shared = (n if same.all() else int(same.argmin())) * page_size
             chunks = -(-count // group_size)
-            if (count - chunks) * shared < cls.MIN_SAVED_TOKENS:
-                continue
+            saved += (count - chunks) * shared
             row_shared[members] = shared
             for part in np.array_split(members, chunks):  # near-equal chunks
                 rows += part.tolist()
                 ptr.append(len(rows))
-        if not rows:
+        if len(rows) < cls.MIN_ROWS or saved < cls.MIN_SAVED_TOKENS:
             return None
         return cls(row_shared, np.asarray(ptr, np.int64), np.asarray(rows, np.int64))
 

@@ -27,38 +27,49 @@ PS = 16
 
 
 def test_rows_holding_the_same_pages_are_grouped() -> None:
-    # rows 0, 2, 3, 5, 6: pages 100-111 (192 tokens), then their own; row 1 shares
+    # rows 0, 2, 3, 5, 6: pages 100-143 (704 tokens), then their own; row 1 shares
     # nothing; row 4 only the first two pages (it holds another page at the probe index)
-    shared = list(range(100, 112))
+    shared = list(range(100, 144))
+    n = len(shared) * PS
     tables = np.array(
         [
             [*shared, 200, 201],
-            [300 + i for i in range(14)],
+            list(range(300, 346)),
             [*shared, 210, 211],
             [*shared, 220, 0],
-            [100, 101, *range(400, 412)],
+            [100, 101, *range(400, 444)],
             [*shared, 230, 231],
             [*shared, 240, 241],
         ],
         np.int64,
     )
-    lens = np.array([210, 220, 200, 193, 220, 205, 224], np.int64)
+    lens = np.array([n + 18, n + 28, n + 8, n + 1, n + 28, n + 13, n + 32], np.int64)
     c = Cascade.find(tables, lens, PS, group_size=5)
     assert c is not None
-    assert c.row_shared.tolist() == [192, 0, 192, 192, 0, 192, 192]
+    assert c.row_shared.tolist() == [n, 0, n, n, 0, n, n]
     assert c.chunk_ptr.tolist() == [0, 5] and sorted(c.chunk_rows.tolist()) == [0, 2, 3, 5, 6]
     three = Cascade.find(tables, lens, PS, group_size=3)  # near-equal chunks of at most 3
     assert three is not None and three.chunk_ptr.tolist() == [0, 3, 5]
     # a row whose new token is in the last shared page shares the pages before it only
     short = lens.copy()
-    short[3] = 182  # its token at position 181: page 11 is not whole
+    short[3] = n - 10
     c = Cascade.find(tables, short, PS, group_size=5)
-    assert c is not None and c.row_shared.tolist() == [176, 0, 176, 176, 0, 176, 176]
+    m = n - PS
+    assert c is not None and c.row_shared.tolist() == [m, 0, m, m, 0, m, m]
+    # four rows are too few, however much they share
+    assert Cascade.find(tables[[0, 2, 3, 5]], lens[[0, 2, 3, 5]], PS, group_size=5) is None
+    # but groups count together: two of three rows each (their own shared pages)
+    other = [*range(500, 544), 250, 251]
+    two = np.array([tables[0], tables[2], tables[3], other, other, other], np.int64)
+    two[4, -2:], two[5, -2:] = [260, 261], [270, 271]
+    c = Cascade.find(two, lens[[0, 2, 3, 0, 2, 3]], PS, group_size=5)
+    assert c is not None and c.row_shared.tolist() == [n] * 6
+    assert c.chunk_ptr.tolist() == [0, 3, 6]
 
 
 def test_nothing_is_grouped_where_too_little_is_shared() -> None:
-    tables = np.array([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], np.int64)
-    lens = np.array([90, 90], np.int64)  # 64 tokens shared by two rows: 64 saved
+    tables = np.array([[1, 2, 3, 4, 5 + i, 6 + i] for i in range(0, 12, 2)], np.int64)
+    lens = np.full(6, 90, np.int64)  # 64 tokens shared by six rows: 320 saved
     assert Cascade.find(tables, lens, PS, group_size=8) is None
     assert Cascade.find(tables[:1], lens[:1], PS, group_size=8) is None
     assert Cascade.find(tables, lens, PS, group_size=1) is None
@@ -144,8 +155,8 @@ def test_cascade_gives_the_row_by_row_logits(
 def test_cascade_over_small_heads(tiny_llama: Path) -> None:
     """The tiny model's 16-wide heads take the generic loops; 2 query heads a KV head."""
     runner = make_runner(tiny_llama, num_pages=400)
-    got, want, ref, found = run_shared_prefix(runner, 9, 96, TAILS)
-    assert found is not None and found.row_shared.tolist() == [96] * 9
+    got, want, ref, found = run_shared_prefix(runner, 9, 320, TAILS)
+    assert found is not None and found.row_shared.tolist() == [320] * 9
     assert (got - want).abs().max().item() < 1e-4
     assert (got - ref).abs().max().item() < 1e-4
 
@@ -171,7 +182,7 @@ def test_soft_capped_scores_in_a_cascade(family_model_factory: Callable[..., Pat
     kernel too; its global layers attend in a cascade (its windowed ones cannot: their
     keys start inside a page), and the logits are those of attending row by row."""
     runner = make_runner(family_model_factory("gemma2"), num_pages=400)
-    got, want, _, found = run_shared_prefix(runner, 9, 128, TAILS)
+    got, want, _, found = run_shared_prefix(runner, 9, 320, TAILS)
     assert runner.fused is None and found is not None
     assert (got - want).abs().max().item() < 1e-4
 
