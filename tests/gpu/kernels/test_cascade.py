@@ -117,27 +117,30 @@ def run_shared_prefix(
     return got[0], want[0], ref, found
 
 
-# tails from one token to several pages, one ending a page exactly
-TAILS = [1, 7, 15, 16, 40, 3, 29]
-
-
-@pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cascade_gives_the_row_by_row_logits(
-    tiny_model_factory: Callable[..., Path], level: str, dtype: str
-) -> None:
-    """The default model's head shape (D 64, 3 query heads a KV head: chunks of 5 rows,
-    the tiles' and dot products' paths over bf16 pages) with 12 rows in three chunks.
-    Weights of a narrower spread than the other tests' keep bf16's roundings from
-    growing through the layers: they are what is compared there."""
-    path = tiny_model_factory(
+@pytest.fixture(scope="module")
+def d64(tiny_model_factory: Callable[..., Path]) -> Path:
+    """The default model's head shape (D 64, 3 query heads a KV head). Weights of a
+    narrower spread than the other tests' keep bf16's roundings from growing through the
+    layers: they are what is compared."""
+    return tiny_model_factory(
         "llama",
         hidden_size=192,
         num_attention_heads=3,
         num_key_value_heads=1,
         initializer_range=0.05,
     )
-    runner = make_runner(path, dtype=dtype, num_pages=400)
+
+
+# tails from one token to several pages, one ending a page exactly
+TAILS = [1, 7, 15, 16, 40, 3, 29]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cascade_gives_the_row_by_row_logits(d64: Path, level: str, dtype: str) -> None:
+    """The default model's head shape (D 64, 3 query heads a KV head: chunks of 5 rows,
+    the tiles' and dot products' paths over bf16 pages) with 12 rows in three chunks."""
+    runner = make_runner(d64, dtype=dtype, num_pages=400)
     runner.fused, why = FusedDecoder.build(runner.model, runner.backend, 32, level)
     assert runner.fused is not None, why
     got, want, ref, found = run_shared_prefix(runner, 12, 256, TAILS)
@@ -161,17 +164,10 @@ def test_cascade_over_small_heads(tiny_llama: Path) -> None:
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_the_backends_decodes_attend_in_a_cascade(tiny_model_factory: Callable[..., Path]) -> None:
+def test_the_backends_decodes_attend_in_a_cascade(d64: Path) -> None:
     """Decodes the fused step does not take (here: turned off) go through the cpu
     backend's kernel over the bf16 pool, with the same cascade."""
-    path = tiny_model_factory(
-        "llama",
-        hidden_size=192,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        initializer_range=0.05,
-    )
-    runner = make_runner(path, dtype="bfloat16", num_pages=400, fused_decode_max_batch=0)
+    runner = make_runner(d64, dtype="bfloat16", num_pages=400, fused_decode_max_batch=0)
     got, want, _, found = run_shared_prefix(runner, 12, 256, TAILS)
     assert runner.fused is None and found is not None
     assert (got - want).abs().max().item() < 0.05
@@ -188,13 +184,10 @@ def test_soft_capped_scores_in_a_cascade(family_model_factory: Callable[..., Pat
 
 
 def test_a_cascade_the_kernels_cannot_take_is_not_taken(
-    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    d64: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks wider than the kernels' rows, or shared tokens that are not whole pages
     before a row's last token, make the kernels attend row by row: the same bits."""
-    path = tiny_model_factory(
-        "llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1
-    )
     find = Cascade.find.__func__  # type: ignore[attr-defined]
 
     def too_wide(cls: type[Cascade], *args: object) -> Cascade | None:
@@ -210,8 +203,6 @@ def test_a_cascade_the_kernels_cannot_take_is_not_taken(
     for bad in (too_wide, not_pages):
         monkeypatch.setattr(Cascade, "find", classmethod(bad))
         for fused in (32, 0):
-            runner = make_runner(
-                path, dtype="bfloat16", num_pages=400, fused_decode_max_batch=fused
-            )
+            runner = make_runner(d64, dtype="bfloat16", num_pages=400, fused_decode_max_batch=fused)
             got, want, _, _ = run_shared_prefix(runner, 12, 256, TAILS)
             assert torch.equal(got, want)
