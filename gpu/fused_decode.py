@@ -243,6 +243,8 @@ class FusedDecoder:
         # decodes whose contexts begin in the same pages read them once a chunk of rows
         # (kernels/step.py's Cascade); False: once a row, as the model's forward does
         self.cascade = True
+        w = step.weights
+        self._chunk_rows = CASCADE_ROWS // (w.num_heads // w.num_kv_heads)  # sequences
 
     @classmethod
     def build(
@@ -353,8 +355,7 @@ class FusedDecoder:
         last = np.cumsum(news) - 1 if extends else None
         cascade = None
         if self.cascade and not extends:
-            heads = self.step.weights.num_heads // self.step.weights.num_kv_heads
-            cascade = Cascade.find(pages, lens, ps, CASCADE_ROWS // heads)
+            cascade = Cascade.find(pages, lens, ps, self._chunk_rows)
         logits = self.step(tokens, cos, sin, slots, pages, lens, threads, rows, last, cascade)
         self.threads.record(B, threads, time.perf_counter() - t0)
         return logits

@@ -73,8 +73,9 @@ class CpuBackend(TorchNativeBackend):
         tiles = self._prefill_kernel is not None and prefill_tiles()
         self._torch_prompts = torch_prompts_faster(native.cpu_flags(), self.head_dim, tiles)
         # decodes whose contexts begin in the same pages read them once a chunk of rows
-        # (kernels/step.py's Cascade; the bf16 pool's kernel, outside windows)
+        # (kernels/step.py's Cascade; cpu_step.c's kernel, outside windows)
         self.cascade = True
+        self._chunk_rows = CASCADE_ROWS // (self.num_heads // self.num_kv_heads)
 
     def _plan_prefill(
         self, meta: ForwardMeta, i: int, window: int, device: torch.device
@@ -123,8 +124,8 @@ class CpuBackend(TorchNativeBackend):
         d.kernel_args = (table, lens) if starts is None else (table, lens, starts)
         kv_kernel = self._bf16 or meta.logit_softcap  # _decode's choice
         if self.cascade and kv_kernel and starts is None and self._kv_kernel is not None:
-            group = CASCADE_ROWS // (self.num_heads // self.num_kv_heads)
-            d.cascade = Cascade.find(table.numpy(), lens.numpy(), self.pool.page_size, group)
+            pages = self.pool.page_size
+            d.cascade = Cascade.find(table.numpy(), lens.numpy(), pages, self._chunk_rows)
         return d
 
     def _decode(self, q: torch.Tensor, layer: int, d: _Decode, cap: float = 0.0) -> torch.Tensor:

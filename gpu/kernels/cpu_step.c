@@ -144,6 +144,12 @@ static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     *hi = n * (t + 1) / nt;
 }
 
+/* Layer l's K (kv 0) or V (kv 1) pages of KV head h: [num_pages, page_size, head_dim] */
+static inline char *kv_head(const model_t *M, int64_t l, int kv, int64_t h) {
+    const int64_t head_elems = M->num_pages * M->page_size * M->head_dim;
+    return (char *)M->kv + ((l * 2 + kv) * M->kv_heads + h) * head_elems * (M->kv_bf16 ? 2 : 4);
+}
+
 /* attend_kv over bf16 or fp32 pages (kh, vh: one KV head's), each dtype its own
    instantiation */
 static void attend_pages(int64_t kv_bf16, const float *q, const void *kh, const void *vh,
@@ -162,12 +168,8 @@ static void attend_pages(int64_t kv_bf16, const float *q, const void *kh, const 
 static void attend_rows(const model_t *M, int64_t l, int64_t h, const float *q, int64_t rows,
                         const int64_t *pages, int64_t len, float *scores, float *acc, float *out,
                         float *ml) {
-    const int64_t D = M->head_dim, Hkv = M->kv_heads;
-    const int64_t head_elems = M->num_pages * M->page_size * D, esize = M->kv_bf16 ? 2 : 4;
-    const char *kbase = (const char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
-    const char *vbase = (const char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
-    attend_pages(M->kv_bf16, q, kbase, vbase, pages, len, rows, D, M->page_size, (float)M->scale,
-                 0, 0.f, scores, acc, out, ml);
+    attend_pages(M->kv_bf16, q, kv_head(M, l, 0, h), kv_head(M, l, 1, h), pages, len, rows,
+                 M->head_dim, M->page_size, (float)M->scale, 0, 0.f, scores, acc, out, ml);
 }
 
 /* The G query heads of KV head h (rotated, in qkv's row b) over seq_len tokens */
@@ -194,12 +196,9 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
     const float *c = cos_t + b * half, *s = sin_t + b * half;
     for (int64_t g = 0; g < G; g++) rope_head(q + g * D, c, s, half);
     rope_head(k, c, s, half);
-    const int64_t head_elems = M->num_pages * M->page_size * D;
     const int64_t esize = M->kv_bf16 ? 2 : 4;
-    char *kbase = (char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
-    char *vbase = (char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
-    store_row(kbase + slot * D * esize, (int)M->kv_bf16, k, D);
-    store_row(vbase + slot * D * esize, (int)M->kv_bf16, v, D);
+    store_row(kv_head(M, l, 0, h) + slot * D * esize, (int)M->kv_bf16, k, D);
+    store_row(kv_head(M, l, 1, h) + slot * D * esize, (int)M->kv_bf16, v, D);
     if (out == NULL) return;
     if (skip)
         attend_rows(M, l, h, q, G, pages + skip / M->page_size, seq_len - skip, scores, acc, out, ml);
@@ -255,11 +254,8 @@ static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qk
                          const int64_t *rows, int64_t n, const int64_t *pages, int64_t shared,
                          float *scores, float *acc, float *cq, float *co, float *cml, float *attn,
                          float *ml_rows) {
-    const int64_t D = M->head_dim, H = M->heads, Hkv = M->kv_heads, G = H / Hkv;
-    const int64_t head_elems = M->num_pages * M->page_size * D, esize = M->kv_bf16 ? 2 : 4;
-    const char *kbase = (const char *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems * esize;
-    const char *vbase = (const char *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems * esize;
-    cascade_rows(M->kv_bf16, kbase, vbase, qkv + h * G * D, qkv_n, rows, n, pages, shared, G, D,
+    const int64_t D = M->head_dim, H = M->heads, G = H / M->kv_heads;
+    cascade_rows(M->kv_bf16, kv_head(M, l, 0, h), kv_head(M, l, 1, h), qkv + h * G * D, qkv_n, rows, n, pages, shared, G, D,
                  M->page_size, (float)M->scale, 0.f, scores, acc, cq, co, cml, attn + h * G * D,
                  H * D, ml_rows + h * G * 2, H * 2);
 }
@@ -288,7 +284,7 @@ static inline int64_t seq_parts(const int64_t *head_rows, int64_t i, int nt) {
 static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
                       const float *qkv, int64_t qkv_n, const int64_t *pages, int64_t start,
                       uint16_t *q16, uint16_t *o16, float *attn) {
-    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, Hkv = M->kv_heads;
+    const int64_t D = M->head_dim, G = M->heads / M->kv_heads;
     const int64_t GD = G * D, HD = M->heads * D;
     fa_scratch sc;
     char *buf = grow_buffer(&fa_buf, &fa_buf_bytes, fa_carve(NULL, G, D, &sc));
@@ -298,9 +294,8 @@ static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_
         const float *q = qkv + (r0 + t) * qkv_n + h * GD;
         for (int64_t j = 0; j < GD; j++) q16[t * GD + j] = f32_bf16(q[j]);
     }
-    const int64_t head_elems = M->num_pages * M->page_size * D;
-    const uint16_t *kh = (const uint16_t *)M->kv + ((l * 2 + 0) * Hkv + h) * head_elems;
-    const uint16_t *vh = (const uint16_t *)M->kv + ((l * 2 + 1) * Hkv + h) * head_elems;
+    const uint16_t *kh = (const uint16_t *)kv_head(M, l, 0, h);
+    const uint16_t *vh = (const uint16_t *)kv_head(M, l, 1, h);
     const int tiles = fa_tiles(D);
     fa_tiles_on(tiles);
     for (int64_t t0 = 0; t0 < n; t0 += FA_QB)

@@ -88,8 +88,6 @@ def run_shared_prefix(
     runner.run([SeqSpec(prompt, 0, head)])
     free = iter(range(len(head), runner.pool.num_pages))
     tables, steps = [], []
-    got: list[torch.Tensor] = []
-    want: list[torch.Tensor] = []
     for i in range(rows):
         tail = torch.randint(10, 30000, (tails[i % len(tails)],), generator=g).tolist()
         end = shared + len(tail) + 1
@@ -106,15 +104,23 @@ def run_shared_prefix(
     found = Cascade.find(pages, lens, PS, CASCADE_ROWS // (info.num_heads // info.num_kv_heads))
     backend = runner.backend
     assert isinstance(backend, CpuBackend)
+    out = []
     for on in (True, False):
         backend.cascade = on
         if fused is not None:
             fused.cascade = on
-        (got if on else want).append(runner.run(steps))
+        out.append(runner.run(steps))
     runner.fused = None  # the model's forward, its backend attending row by row
     ref = runner.run(steps)
     runner.fused = fused
-    return got[0], want[0], ref, found
+    return out[0], out[1], ref, found
+
+
+def assert_cascaded(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The kernel attended in a cascade: its sums run in another order than row by row,
+    so some bits of the logits differ (a kernel that refused the chunks, or a step never
+    given them, gives the row-by-row bits)."""
+    assert not torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +152,7 @@ def test_cascade_gives_the_row_by_row_logits(d64: Path, level: str, dtype: str) 
     got, want, ref, found = run_shared_prefix(runner, 12, 256, TAILS)
     assert found is not None and found.chunk_ptr.tolist() == [0, 4, 8, 12]
     assert found.row_shared.tolist() == [256] * 12
+    assert_cascaded(got, want)
     if dtype == "float32":  # summation orders alone
         assert (got - want).abs().max().item() < 1e-4
         assert (got - ref).abs().max().item() < 1e-4
@@ -160,6 +167,7 @@ def test_cascade_over_small_heads(tiny_llama: Path) -> None:
     runner = make_runner(tiny_llama, num_pages=400)
     got, want, ref, found = run_shared_prefix(runner, 9, 320, TAILS)
     assert found is not None and found.row_shared.tolist() == [320] * 9
+    assert_cascaded(got, want)
     assert (got - want).abs().max().item() < 1e-4
     assert (got - ref).abs().max().item() < 1e-4
 
@@ -170,6 +178,7 @@ def test_the_backends_decodes_attend_in_a_cascade(d64: Path) -> None:
     runner = make_runner(d64, dtype="bfloat16", num_pages=400, fused_decode_max_batch=0)
     got, want, _, found = run_shared_prefix(runner, 12, 256, TAILS)
     assert runner.fused is None and found is not None
+    assert_cascaded(got, want)
     assert (got - want).abs().max().item() < 0.05
 
 
@@ -180,6 +189,7 @@ def test_soft_capped_scores_in_a_cascade(family_model_factory: Callable[..., Pat
     runner = make_runner(family_model_factory("gemma2"), num_pages=400)
     got, want, _, found = run_shared_prefix(runner, 9, 320, TAILS)
     assert runner.fused is None and found is not None
+    assert_cascaded(got, want)
     assert (got - want).abs().max().item() < 1e-4
 
 
