@@ -73,6 +73,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     on_worker_loss: str = "fail"
     # Plan and send step N+1 while the worker runs step N (the same tokens either way).
     disable_overlap_schedule: bool = False
+    # A "Decode batch." log line every this many decode-only steps (and a "Prefill batch."
+    # line for every step with prompt tokens), as SGLang's scheduler logs; 0: none
+    decode_log_interval: int = 40
     # A request's tokens go to its tokenizer every this many (its first and last at
     # once): fewer messages a token for the tokenizer and the client (SGLang's flag).
     stream_interval: int = 1

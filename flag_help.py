@@ -48,6 +48,8 @@ FLAG_HELP: dict[str, str] = {
     "step_timeout_s": "a forward step taking longer than this fails its requests",
     "on_worker_loss": "running requests when the worker is lost: fail, or recompute them",
     "disable_overlap_schedule": "plan each step after the previous one returns (no overlap)",
+    "decode_log_interval": "log a decode batch line (load, gen throughput, step time) every N "
+    "decode steps, and a line for each prefill step; 0: no batch lines",
     "stream_interval": "stream a request's tokens every N of them (its first and last at once)",
     # cache
     "enable_prefix_cache": "share KV pages between prompts with a common prefix",

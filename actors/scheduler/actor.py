@@ -57,6 +57,7 @@ from ...messages.step import ForwardBatch, StepResult
 from ..replicas import is_prefill_role, peer_of, prefill_schedulers, replica_index
 from ..runtime import Actor, ActorError, handles
 from .adapters import AdapterGate
+from .batch_log import BatchLog
 from .policy import BatchPlanner, Refusal, Req
 from .streaming import StreamBuffer
 
@@ -97,6 +98,8 @@ class SchedulerActor(Actor):
         self.max_queue_time = cfg.scheduler.max_queue_time_s or cfg.deploy.request_timeout_s
         self.overlap = not cfg.scheduler.disable_overlap_schedule
         self.streaming = StreamBuffer(cfg.scheduler.stream_interval)
+        capacity = model.num_pages * model.page_size
+        self.batch_log = BatchLog(cfg.scheduler.decode_log_interval, capacity)
         self.gate = AdapterGate() if cfg.lora.enabled else None
         decode = replica_index(self.role) < cfg.router.dp_size
         self.prefill = prefill_schedulers(cfg.router) if decode else []
@@ -488,6 +491,10 @@ class SchedulerActor(Actor):
                 continue  # a step still in flight gets its own answer, or error
             assert isinstance(reply, StepResult)
             deltas = planner.on_result(batch, reply)
+            running = planner.running.values()
+            self.batch_log.step(
+                batch, reply, (r.computed for r in running), len(running), len(planner.waiting)
+            )
             await self._emit([d for d in deltas if d.finish_reason is None])
             finished += [d for d in deltas if d.finish_reason is not None]
             if flight is None and finished:

@@ -124,3 +124,32 @@ def test_metrics(server: Server) -> None:
         value(name)
     assert re.search(r'actorlm_http_requests_total\{route="/v1/completions",status="200"\} ', text)
     assert re.search(r'actorlm_requests_finished_total\{finish_reason="length"\} ', text)
+
+
+def test_the_scheduler_logs_its_batches(server: Server) -> None:
+    """SGLang's batch lines in the server's log: one for the step that computed the
+    prompt, and a decode line at least every 40 decode steps, with the load and speed."""
+    before = len(server.log_text())
+    body = {"prompt": "batch lines in the log", "max_tokens": 45, "ignore_eos": True}
+    status, out, _ = call(server, "POST", "/v1/completions", json={**body, "temperature": 0})
+    assert status == 200 and out["usage"]["completion_tokens"] == 45
+    text = server.log_text()[before:]
+    num = r"([\d.]+)"
+    prefill = re.findall(
+        rf"Prefill batch\. #new-seq: 1, #new-token: {num}, #cached-token: {num}, token usage: "
+        rf"{num}, #running-req: 1, #queue-req: 0, step: {num} ms",
+        text,
+    )
+    assert len(prefill) == 1, text[-3000:]
+    new, cached, usage, ms = map(float, prefill[0])
+    assert new + cached == out["usage"]["prompt_tokens"] and new >= 1
+    assert 0 <= usage < 1 and ms > 0  # usage: of a pool far larger than one request
+    decode = re.findall(
+        rf"Decode batch\. #running-req: 1, #token: {num}, token usage: {num}, "
+        rf"gen throughput \(token/s\): {num}, #queue-req: 0, step: {num} ms",
+        text,
+    )
+    assert decode, text[-3000:]
+    tokens, usage, throughput, ms = map(float, decode[0])
+    assert out["usage"]["prompt_tokens"] < tokens <= out["usage"]["total_tokens"]
+    assert 0 <= usage < 1 and throughput > 0 and ms > 0
