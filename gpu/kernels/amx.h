@@ -140,61 +140,65 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
     }
 }
 
-#define DQ_PASS 4 /* tiles of 16 rows a pass: C tiles 0-3 */
 
 /* Groups [g0, g1) of a block weight against all M rows of x with each weight rounded to
    bf16 first: the tiles then sum over all of K (a block's scale is in its weights), so
-   a group's C tiles are stored once, not once a block. 0, or -1 (no AMX or scratch). */
+   a group's C tiles are stored once, not once a block. Two groups and two tiles of rows
+   at a time (C tiles 0-3), so a block's tile of weights and a tile of rows each serve two
+   products: four loads for four products. 0, or -1 (no AMX or scratch). */
 static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
                               int64_t g1, float *y, int64_t ys) {
     if (!amx_ready()) return -1;
     const int q4 = L->kind == LIN_Q4_1;
     const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
-    char *buf = dp_buffer(xb_bytes + (size_t)nb * 1024 + DQ_PASS * 1024);
+    char *buf = dp_buffer(xb_bytes + (size_t)nb * 2048 + 4 * 1024);
     if (buf == NULL) return -1;
     uint16_t *xb = (uint16_t *)buf;
-    __m512i *wb = (__m512i *)(buf + xb_bytes); /* the group's B tiles, a block each */
-    float *cb = (float *)(buf + xb_bytes + (size_t)nb * 1024);
+    __m512i *wb = (__m512i *)(buf + xb_bytes); /* two groups' B tiles, a block each */
+    float *cb = (float *)(buf + xb_bytes + (size_t)nb * 2048);
     dp_round_rows(x, M, xs, K, xb, NULL);
     memset(xb + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
     const int64_t xstride = K * 2;
-    amx_configure_tiles(DQ_PASS + 2); /* 0-3: C, 4: rows of x, 5: weights */
-    for (int64_t g = g0; g < g1; g++) {
-        for (int64_t b = 0; b < nb; b++)
-            dq_expand(q4, (const uint8_t *)L->w, L->d, L->m, g * nb + b, wb + b * 16);
-        const int64_t n0 = g * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
-        for (int64_t t0 = 0; t0 < T; t0 += DQ_PASS) {
-            const int64_t nt = T - t0 < DQ_PASS ? T - t0 : DQ_PASS;
+    amx_configure_tiles(8); /* 0-3: C, 4 and 6: rows of x, 5 and 7: weights */
+    for (int64_t g = g0; g < g1; g += 2) {
+        const int two = g + 1 < g1;
+        for (int64_t i = 0; i < 1 + two; i++)
+            for (int64_t b = 0; b < nb; b++)
+                dq_expand(q4, (const uint8_t *)L->w, L->d, L->m, (g + i) * nb + b,
+                          wb + (i * nb + b) * 16);
+        for (int64_t t0 = 0; t0 < T; t0 += 2) {
+            const int rows2 = t0 + 1 < T;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
+            const uint16_t *xa = xb + t0 * 16 * K;
             for (int64_t b = 0; b < nb; b++) {
-                const uint16_t *xa = xb + t0 * 16 * K + b * QK;
                 AMX_LOADD(5, wb + b * 16, 64);
-                AMX_LOADD(4, xa, xstride);
+                AMX_LOADD(4, xa + b * QK, xstride);
                 _tile_dpbf16ps(0, 4, 5);
-                if (nt > 1) {
-                    AMX_LOADD(4, xa + 16 * K, xstride);
-                    _tile_dpbf16ps(1, 4, 5);
+                if (rows2) {
+                    AMX_LOADD(6, xa + 16 * K + b * QK, xstride);
+                    _tile_dpbf16ps(1, 6, 5);
                 }
-                if (nt > 2) {
-                    AMX_LOADD(4, xa + 32 * K, xstride);
-                    _tile_dpbf16ps(2, 4, 5);
-                }
-                if (nt > 3) {
-                    AMX_LOADD(4, xa + 48 * K, xstride);
-                    _tile_dpbf16ps(3, 4, 5);
+                if (two) {
+                    AMX_LOADD(7, wb + (nb + b) * 16, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (rows2) _tile_dpbf16ps(3, 6, 7);
                 }
             }
             _tile_stored(0, cb, 64);
             _tile_stored(1, cb + 256, 64);
             _tile_stored(2, cb + 512, 64);
             _tile_stored(3, cb + 768, 64);
-            const int64_t r0 = t0 * 16, rows = M - r0 < nt * 16 ? M - r0 : nt * 16;
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t n = 0; n < w; n++) y[(r0 + r) * ys + n0 + n] = cb[r * GROUP + n];
+            for (int64_t i = 0; i < 1 + two; i++) {
+                const int64_t n0 = (g + i) * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
+                for (int64_t r = t0 * 16; r < M && r < (t0 + 2) * 16; r++) {
+                    const float *c = cb + i * 512 + (r - t0 * 16) * GROUP;
+                    for (int64_t n = 0; n < w; n++) y[r * ys + n0 + n] = c[n];
+                }
+            }
         }
     }
     _tile_release();

@@ -273,6 +273,30 @@ def test_bf16_rows_take_the_blocks_up_to_the_platforms_limit() -> None:
             assert torch.equal(got, layer.dense(x))
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("shape", [(80, 96), (72, 128)])  # 5 groups; a last group of 8
+@pytest.mark.parametrize("rows", [41, 57, 100])
+def test_amx_rows_over_weights_rounded_to_bf16(
+    kind: str, shape: tuple[int, int], rows: int
+) -> None:
+    """From 41 bf16 rows, AMX's tiles sum whole rows of weights rounded to bf16 (two
+    groups of 16 columns and two tiles of 16 rows at a time): every row and column,
+    odd group and tile counts and a part group included, is x times those weights in
+    fp32 sums of exact products."""
+    if not amx_ready():
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    w = blocks(shape, kind, seed=rows)
+    method = GGUFMethod()
+    method.check(torch.device("cpu"), torch.bfloat16)
+    layer = method.convert(w, None)
+    assert isinstance(layer, GGUFLinear)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = linear(x, layer.lin_bf16)
+    assert got is not None and got.shape == (rows, shape[0])
+    want = (x.double() @ w.bfloat16().double().T).bfloat16()
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
+
+
 def _block_model(src: Path, out: Path) -> Path:
     """``src`` (a tiny HF model) with every linear weight made Q4_1 block values and
     the embedding (the tied LM head) Q8_0, saved to ``out``."""
