@@ -140,7 +140,6 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
     }
 }
 
-
 /* Groups [g0, g1) of a block weight against all M rows of x with each weight rounded to
    bf16 first: the tiles then sum over all of K (a block's scale is in its weights), so
    a group's C tiles are stored once, not once a block. Two groups and two tiles of rows
