@@ -38,14 +38,7 @@ from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.attention import prefill_tiles
 from .kernels.qgemm import BLOCK_KINDS
-from .kernels.step import (
-    CASCADE_ROWS,
-    Cascade,
-    DecodeStep,
-    LayerWeights,
-    StepWeights,
-    native_step,
-)
+from .kernels.step import Cascade, DecodeStep, LayerWeights, StepWeights, native_step
 from .kv_pool import KVPool
 from .models.layers import Attention, GatedMLP, RMSNorm
 from .models.llama import DecoderLayer, LlamaForCausalLM
@@ -250,8 +243,7 @@ class FusedDecoder:
         # decodes whose contexts begin in the same pages read them once a chunk of rows
         # (kernels/step.py's Cascade); False: once a row, as the model's forward does
         self.cascade = True
-        w = step.weights
-        self._chunk_rows = CASCADE_ROWS // (w.num_heads // w.num_kv_heads)  # sequences
+        self._chunk_rows = Cascade.sequences(step.weights.num_heads, step.weights.num_kv_heads)
 
     @classmethod
     def build(

@@ -35,7 +35,7 @@ import torch
 from ..forward_meta import ForwardMeta
 from ..kernels import native
 from ..kernels.attention import decode_kernel, prefill_kernel, prefill_tiles
-from ..kernels.step import CASCADE_ROWS, Cascade, native_step
+from ..kernels.step import Cascade, native_step
 from .torch_native import TorchNativeBackend, _Decode, _Prefill
 
 __all__ = ["CpuBackend", "torch_prompts_faster"]
@@ -75,7 +75,7 @@ class CpuBackend(TorchNativeBackend):
         # decodes whose contexts begin in the same pages read them once a chunk of rows
         # (kernels/step.py's Cascade; cpu_step.c's kernel, outside windows)
         self.cascade = True
-        self._chunk_rows = CASCADE_ROWS // (self.num_heads // self.num_kv_heads)
+        self._chunk_rows = Cascade.sequences(self.num_heads, self.num_kv_heads)
 
     def _plan_prefill(
         self, meta: ForwardMeta, i: int, window: int, device: torch.device
@@ -145,8 +145,7 @@ class CpuBackend(TorchNativeBackend):
         # cpu_step.c's kernel: a KV-dtype flag after the pages; the soft cap and the
         # cascade's rows (kernels/step.py), if any, after the scale
         kv = (int(self._bf16),) if kernel is self._kv_kernel else ()
-        cascade = d.cascade.args() if d.cascade is not None else (None, None, None, 0)
-        capped = (float(cap), *cascade) if kv else ()
+        capped = (float(cap), *Cascade.args(d.cascade)) if kv else ()
         rc = kernel(
             qd.data_ptr(),
             qd.stride(0),

@@ -255,9 +255,9 @@ static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qk
                          float *scores, float *acc, float *cq, float *co, float *cml, float *attn,
                          float *ml_rows) {
     const int64_t D = M->head_dim, H = M->heads, G = H / M->kv_heads;
-    cascade_rows(M->kv_bf16, kv_head(M, l, 0, h), kv_head(M, l, 1, h), qkv + h * G * D, qkv_n, rows, n, pages, shared, G, D,
-                 M->page_size, (float)M->scale, 0.f, scores, acc, cq, co, cml, attn + h * G * D,
-                 H * D, ml_rows + h * G * 2, H * 2);
+    cascade_rows(M->kv_bf16, kv_head(M, l, 0, h), kv_head(M, l, 1, h), qkv + h * G * D, qkv_n,
+                 rows, n, pages, shared, G, D, M->page_size, (float)M->scale, 0.f, scores, acc,
+                 cq, co, cml, attn + h * G * D, H * D, ml_rows + h * G * 2, H * 2);
 }
 
 #if defined(__AVX512BF16__)

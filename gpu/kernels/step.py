@@ -207,13 +207,21 @@ class Cascade:
             return None
         return cls(row_shared, np.asarray(ptr, np.int64), np.asarray(rows, np.int64))
 
-    def args(self) -> tuple[int, int, int, int]:
-        """actorlm_decode_step's row_shared, chunk_ptr, chunk_rows and n_chunks."""
+    @staticmethod
+    def sequences(num_heads: int, num_kv_heads: int) -> int:
+        """The most sequences a chunk takes: CASCADE_ROWS query rows a KV head."""
+        return CASCADE_ROWS // (num_heads // num_kv_heads)
+
+    @staticmethod
+    def args(cascade: Cascade | None) -> tuple[int | None, int | None, int | None, int]:
+        """The kernels' row_shared, chunk_ptr, chunk_rows and n_chunks (0: no cascade)."""
+        if cascade is None:
+            return None, None, None, 0
         return (
-            self.row_shared.ctypes.data,
-            self.chunk_ptr.ctypes.data,
-            self.chunk_rows.ctypes.data,
-            len(self.chunk_ptr) - 1,
+            cascade.row_shared.ctypes.data,
+            cascade.chunk_ptr.ctypes.data,
+            cascade.chunk_rows.ctypes.data,
+            len(cascade.chunk_ptr) - 1,
         )
 
 
@@ -329,7 +337,7 @@ class DecodeStep:
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
             int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
             (2 if self.extend_flash else 1) if heads is not None else 0, heads, n_head,
-            *(cascade.args() if cascade is not None and heads is None else (None, None, None, 0)),
+            *Cascade.args(cascade if heads is None else None),
             threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

@@ -15,7 +15,7 @@ import torch
 from actorlm.gpu.attention.cpu import CpuBackend
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.fused_decode import FusedDecoder
-from actorlm.gpu.kernels.step import CASCADE_ROWS, Cascade, native_step
+from actorlm.gpu.kernels.step import Cascade, native_step
 from actorlm.gpu.runner import ModelRunner
 
 from ..helpers import make_runner
@@ -101,7 +101,7 @@ def run_shared_prefix(
     pages = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
     lens = np.array([s.start_pos + 1 for s in steps], np.int64)
     info = runner.info
-    found = Cascade.find(pages, lens, PS, CASCADE_ROWS // (info.num_heads // info.num_kv_heads))
+    found = Cascade.find(pages, lens, PS, Cascade.sequences(info.num_heads, info.num_kv_heads))
     backend = runner.backend
     assert isinstance(backend, CpuBackend)
     out = []
