@@ -144,28 +144,38 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
    bf16 first: the tiles then sum over all of K (a block's scale is in its weights), so
    a group's C tiles are stored once, not once a block. Two groups and two tiles of rows
    at a time (C tiles 0-3), so a block's tile of weights and a tile of rows each serve two
-   products: four loads for four products. 0, or -1 (no AMX or scratch). */
+   products: four loads for four products. The next two groups' weights are expanded
+   between the products of this pair's first rows (the vector units work while the tiles
+   do), and whole C tiles are stored straight into y (the ffn_up of the default model,
+   two cores: 117 / 256 / 512 rows 0.111 / 0.220 / 0.434 ms, were 0.143 / 0.270 / 0.54).
+   0, or -1 (no AMX or scratch). */
 static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
                               int64_t g1, float *y, int64_t ys) {
     if (!amx_ready()) return -1;
     const int q4 = L->kind == LIN_Q4_1;
     const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
-    char *buf = dp_buffer(xb_bytes + (size_t)nb * 2048 + 4 * 1024);
+    char *buf = dp_buffer(xb_bytes + (size_t)nb * 4096 + 4 * 1024);
     if (buf == NULL) return -1;
     uint16_t *xb = (uint16_t *)buf;
-    __m512i *wb = (__m512i *)(buf + xb_bytes); /* two groups' B tiles, a block each */
-    float *cb = (float *)(buf + xb_bytes + (size_t)nb * 2048);
+    /* two groups' B tiles, a block each, twice: the next pair's are expanded while the
+       tiles work on this pair's first rows */
+    __m512i *wbs = (__m512i *)(buf + xb_bytes);
+    float *cb = (float *)(buf + xb_bytes + (size_t)nb * 4096);
     dp_round_rows(x, M, xs, K, xb, NULL);
     memset(xb + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
     const int64_t xstride = K * 2;
+    const uint8_t *qw = (const uint8_t *)L->w;
+    for (int64_t i = 0; i < 2 && g0 + i < g1; i++)
+        for (int64_t b = 0; b < nb; b++)
+            dq_expand(q4, qw, L->d, L->m, (g0 + i) * nb + b, wbs + (i * nb + b) * 16);
     amx_configure_tiles(8); /* 0-3: C, 4 and 6: rows of x, 5 and 7: weights */
     for (int64_t g = g0; g < g1; g += 2) {
         const int two = g + 1 < g1;
-        for (int64_t i = 0; i < 1 + two; i++)
-            for (int64_t b = 0; b < nb; b++)
-                dq_expand(q4, (const uint8_t *)L->w, L->d, L->m, (g + i) * nb + b,
-                          wb + (i * nb + b) * 16);
+        const int64_t half = (g - g0) / 2 % 2; /* this pair's half of wbs */
+        const __m512i *wb = wbs + half * nb * 32;
+        __m512i *wn = wbs + (1 - half) * nb * 32;
+        const int64_t next = g1 - (g + 2) < 2 ? g1 - (g + 2) : 2; /* the next pair's groups */
         for (int64_t t0 = 0; t0 < T; t0 += 2) {
             const int rows2 = t0 + 1 < T;
             _tile_zero(0);
@@ -186,6 +196,20 @@ static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t
                     _tile_dpbf16ps(2, 4, 7);
                     if (rows2) _tile_dpbf16ps(3, 6, 7);
                 }
+                if (t0 == 0)
+                    for (int64_t i = 0; i < next; i++)
+                        dq_expand(q4, qw, L->d, L->m, (g + 2 + i) * nb + b, wn + (i * nb + b) * 16);
+            }
+            /* whole tiles go straight to y; a part tile (the last rows or columns)
+               through cb */
+            const int64_t n0 = g * GROUP, r0 = t0 * 16;
+            if (two && rows2 && r0 + 32 <= M && n0 + 2 * GROUP <= N) {
+                float *y0 = y + r0 * ys + n0;
+                _tile_stored(0, y0, ys * 4);
+                _tile_stored(1, y0 + 16 * ys, ys * 4);
+                _tile_stored(2, y0 + GROUP, ys * 4);
+                _tile_stored(3, y0 + 16 * ys + GROUP, ys * 4);
+                continue;
             }
             _tile_stored(0, cb, 64);
             _tile_stored(1, cb + 256, 64);

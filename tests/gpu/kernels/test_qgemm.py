@@ -274,7 +274,9 @@ def test_bf16_rows_take_the_blocks_up_to_the_platforms_limit() -> None:
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("shape", [(80, 96), (72, 128)])  # 5 groups; a last group of 8
+# 5 groups; a last group of 8; 15 groups, the last of 8 (each thread's next pair
+# expanded while its tiles work on the one before)
+@pytest.mark.parametrize("shape", [(80, 96), (72, 128), (232, 64)])
 @pytest.mark.parametrize("rows", [41, 57, 100])
 def test_amx_rows_over_weights_rounded_to_bf16(
     kind: str, shape: tuple[int, int], rows: int
@@ -282,7 +284,8 @@ def test_amx_rows_over_weights_rounded_to_bf16(
     """From 41 bf16 rows, AMX's tiles sum whole rows of weights rounded to bf16 (two
     groups of 16 columns and two tiles of 16 rows at a time): every row and column,
     odd group and tile counts and a part group included, is x times those weights in
-    fp32 sums of exact products."""
+    fp32 sums of exact products, whole tiles stored straight into the output or through
+    the scratch."""
     if not amx_ready():
         pytest.skip("no AMX tiles here (or the OS refused their state)")
     w = blocks(shape, kind, seed=rows)
