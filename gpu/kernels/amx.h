@@ -17,10 +17,13 @@
  * Rows are padded to whole tiles of 16 with zeros.
  *
  * From AMX_DQ_MIN_ROWS rows (long extensions, large decode batches) that per-block
- * store and scaling outweighs a block's expansion, and amx_blocks_dq_cols expands the
+ * store and scaling outweighs a block's expansion, and amx_expanded_cols expands the
  * weights themselves instead, w = q d (+ m) rounded to bf16 as a bf16 model's
  * dequantized weights are (its forward's oneDNN GEMMs use the same values), so the
- * tiles sum over all of K and a group's sums are stored once.
+ * tiles sum over all of K and a group's sums are stored once. A dense bf16 weight takes
+ * the same kernel from AMX_DENSE_EXPAND_MIN_ROWS rows, its rows' bf16 pairs transposed
+ * into the B tiles (dense_expand); fewer rows load its rows as A tiles as they lie
+ * (amx_dense_cols), with no transpose.
  *
  * Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM,
  * once a process); where it refuses, amx_blocks_cols returns -1 and the caller takes
@@ -36,10 +39,14 @@
 #include "amx_state.h"
 
 #define AMX_MIN_ROWS 5 /* fewer rows: gemv.h's fp32 tiles (equal at 4, 1.2x at 8) */
-/* more rows: the weights rounded to bf16 first (amx_blocks_dq_cols; default model, two
+/* more rows: the weights rounded to bf16 first (amx_expanded_cols; default model, two
    cores, ffn_up / ffn_down / Q8_0 head: 0.86 / 1.03 / 1.05x the exact blocks at 32 rows,
    1.11 / 1.35 / 1.24x at 48, 1.48 / 1.63 / 1.51x at 64) */
 #define AMX_DQ_MIN_ROWS 41
+/* a dense bf16 weight through amx_expanded_cols (a 1536 x 576 weight, two cores: 0.047 /
+   0.069 / 0.110 / 0.222 ms at 32 / 64 / 117 / 256 rows against amx_dense_cols' 0.054 /
+   0.114 / 0.203 / 0.459; 0.046 against 0.032 at 24) */
+#define AMX_DENSE_EXPAND_MIN_ROWS 32
 #define AMX_CHUNK 8    /* blocks a pass: their B tiles (8 KiB) and sums in L1 */
 /* Tiles 0-1: sums (C), 2-3: rows of x (A), 4: a block's codes (B); each 16 x 64 bytes. */
 static void amx_configure(void) { amx_configure_tiles(5); }
@@ -140,8 +147,48 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
     }
 }
 
-/* Groups [g0, g1) of a block weight against all M rows of x with each weight rounded to
-   bf16 first: the tiles then sum over all of K (a block's scale is in its weights), so
+/* Columns 16 g .. 16 g + 15, k 32 b .. 32 b + 31 of a dense bf16 weight [N, K] as AMX's B
+   tile (the layout dq_expand writes): each row's 32 values are 16 bf16 pairs, so the tile
+   is the 16 x 16 transpose of those pairs (columns past N are zeros). */
+static inline void dense_expand(const uint16_t *w, int64_t N, int64_t K, int64_t g, int64_t b,
+                                __m512i *wb) {
+    __m512i r[16], t[16];
+    for (int j = 0; j < 16; j++) {
+        const int64_t n = g * GROUP + j;
+        r[j] = n < N ? _mm512_loadu_si512((const void *)(w + n * K + b * QK)) : _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 16; j += 2) { /* pairs of rows: 32-bit lanes interleaved */
+        t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) { /* 64-bit lanes of rows j..j+3 */
+        r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+        r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+        r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+        r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    /* r[4q + i] now holds, in 128-bit lane l, pair 4l + i of rows 4q..4q+3: gather the
+       four 128-bit lanes of each pair index across the row quads */
+    for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88), c = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        const __m512i e = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88), f = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+        wb[i] = _mm512_shuffle_i32x4(a, e, 0x88);
+        wb[8 + i] = _mm512_shuffle_i32x4(a, e, 0xdd);
+        wb[4 + i] = _mm512_shuffle_i32x4(c, f, 0x88);
+        wb[12 + i] = _mm512_shuffle_i32x4(c, f, 0xdd);
+    }
+}
+
+/* Block b of group g of a block or dense bf16 weight as AMX's B tile */
+static inline void amx_expand(const lin_t *L, int64_t g, int64_t b, __m512i *wb) {
+    if (L->kind == LIN_BF16)
+        dense_expand((const uint16_t *)L->w, L->n, L->k, g, b, wb);
+    else
+        dq_expand(L->kind == LIN_Q4_1, (const uint8_t *)L->w, L->d, L->m, g * (L->k / QK) + b, wb);
+}
+
+/* Groups [g0, g1) of a block weight (or a dense bf16 one) against all M rows of x with
+   each weight rounded to bf16 first: the tiles then sum over all of K (a block's scale is in its weights), so
    a group's C tiles are stored once, not once a block. Two groups and two tiles of rows
    at a time (C tiles 0-3), so a block's tile of weights and a tile of rows each serve two
    products: four loads for four products. The next two groups' weights are expanded
@@ -149,10 +196,9 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
    do), and whole C tiles are stored straight into y (the ffn_up of the default model,
    two cores: 117 / 256 / 512 rows 0.111 / 0.220 / 0.434 ms, were 0.143 / 0.270 / 0.54).
    0, or -1 (no AMX or scratch). */
-static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
+static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
                               int64_t g1, float *y, int64_t ys) {
     if (!amx_ready()) return -1;
-    const int q4 = L->kind == LIN_Q4_1;
     const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
     char *buf = dp_buffer(xb_bytes + (size_t)nb * 4096 + 4 * 1024);
@@ -165,10 +211,8 @@ static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t
     dp_round_rows(x, M, xs, K, xb, NULL);
     memset(xb + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
     const int64_t xstride = K * 2;
-    const uint8_t *qw = (const uint8_t *)L->w;
     for (int64_t i = 0; i < 2 && g0 + i < g1; i++)
-        for (int64_t b = 0; b < nb; b++)
-            dq_expand(q4, qw, L->d, L->m, (g0 + i) * nb + b, wbs + (i * nb + b) * 16);
+        for (int64_t b = 0; b < nb; b++) amx_expand(L, g0 + i, b, wbs + (i * nb + b) * 16);
     amx_configure_tiles(8); /* 0-3: C, 4 and 6: rows of x, 5 and 7: weights */
     for (int64_t g = g0; g < g1; g += 2) {
         const int two = g + 1 < g1;
@@ -197,8 +241,7 @@ static int amx_blocks_dq_cols(const lin_t *L, const float *x, int64_t M, int64_t
                     if (rows2) _tile_dpbf16ps(3, 6, 7);
                 }
                 if (t0 == 0)
-                    for (int64_t i = 0; i < next; i++)
-                        dq_expand(q4, qw, L->d, L->m, (g + 2 + i) * nb + b, wn + (i * nb + b) * 16);
+                    for (int64_t i = 0; i < next; i++) amx_expand(L, g + 2 + i, b, wn + (i * nb + b) * 16);
             }
             /* whole tiles go straight to y; a part tile (the last rows or columns)
                through cb */

@@ -276,7 +276,7 @@ static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, i
        products are faster. */
     const int64_t amx_rows = L->act_int8 ? I8_AMX_MIN_ROWS(L->kind) : AMX_MIN_ROWS;
     if (L->act_bf16 && M >= AMX_DQ_MIN_ROWS && M >= amx_rows &&
-        amx_blocks_dq_cols(L, x, M, xs, g0, g1, y, ys) == 0)
+        amx_expanded_cols(L, x, M, xs, g0, g1, y, ys) == 0)
         return;
     if (L->act_bf16 && M >= amx_rows && amx_blocks_cols(L, x, M, xs, g0, g1, y, ys) == 0) return;
 #endif
@@ -423,6 +423,12 @@ static void lin_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int6
         case LIN_Q8_0: blocks_cols(L, x, M, xs, c0 / GROUP, (c1 + GROUP - 1) / GROUP, y, ys); break;
         case LIN_BF16:
 #if defined(__AMX_BF16__)
+            /* whole groups of columns from AMX_DENSE_EXPAND_MIN_ROWS rows: the weight's
+               pairs transposed into B tiles (amx.h) */
+            if (L->act_bf16 && M >= AMX_DENSE_EXPAND_MIN_ROWS && L->k % QK == 0 &&
+                c0 % GROUP == 0 && (c1 % GROUP == 0 || c1 == L->n) &&
+                amx_expanded_cols(L, x, M, xs, c0 / GROUP, (c1 + GROUP - 1) / GROUP, y, ys) == 0)
+                break;
             if (L->act_bf16 && M >= AMX_MIN_ROWS && L->k % QK == 0 &&
                 amx_dense_cols(L, x, M, xs, c0, c1, y, ys) == 0)
                 break;

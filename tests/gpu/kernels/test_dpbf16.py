@@ -69,9 +69,11 @@ def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> 
 @pytest.mark.parametrize("shape", [(77, 576), (250, 96)])  # part groups; one and 3 k tiles
 def test_dense_bf16_rows_on_amx_tiles(level: str, shape: tuple[int, int]) -> None:
     """A dense bf16 weight with ``act_bf16``: the amx build rounds rows to bf16 from 5
-    rows on and sums their exact products with the weight in fp32 (the weight's rows
-    loaded as tiles, a part group through a zero-padded copy, rows beyond a tile of 16
-    in further tiles); every other build and fewer rows keep fp32 rows."""
+    rows on and sums their exact products with the weight in fp32 (to 31 rows the
+    weight's rows loaded as tiles, a part group through a zero-padded copy, rows beyond a
+    tile of 16 in further tiles; from 32 its pairs transposed into B tiles, two groups by
+    two tiles of rows, the next pair's transposed ahead); every other build and fewer
+    rows keep fp32 rows."""
     n, k = shape
     g = torch.Generator().manual_seed(9)
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -79,7 +81,7 @@ def test_dense_bf16_rows_on_amx_tiles(level: str, shape: tuple[int, int]) -> Non
     lin = lin_dense(w, b)
     assert lin is not None
     lin.act_bf16 = 1
-    for rows in (1, 4, 5, 16, 17, 33, 40):
+    for rows in (1, 4, 5, 16, 17, 31, 32, 40, 64, 100):
         x = torch.randn(rows, k + 9, generator=g)[:, 4 : 4 + k]  # strided rows
         got = linear(x, lin, level)
         assert got is not None
