@@ -254,6 +254,13 @@ def _actorlm_a8_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> l
     return [*_actorlm_argv(spec, m, host, port), "--quantization", "gguf_a8"]
 
 
+def _actorlm_hf_argv(spec: EngineSpec, m: ModelFiles, host: str, port: int) -> list[str]:
+    # vLLM's own weights: the fp32 safetensors, served dense in the chosen dtype
+    argv = _actorlm_argv(spec, m, host, port)
+    argv[argv.index("--model") + 1] = str(m.hf_dir)
+    return [*argv, "--quantization", "none"]
+
+
 def _omp_env(cpus: list[int]) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
 
@@ -381,6 +388,17 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             label="actorlm gguf_a8",
             note="`actorlm serve --quantization gguf_a8`: the blocks' rows quantized to int8",
             argv=_actorlm_a8_argv,
+        ),
+        "actorlm-hf": replace(
+            actorlm,
+            name="actorlm-hf",
+            label="actorlm safetensors",
+            note=(
+                "`actorlm serve --quantization none` on the safetensors vLLM reads: the same "
+                "weights, dense"
+            ),
+            argv=_actorlm_hf_argv,
+            needs_hf_dir=True,
         ),
         "vllm": EngineSpec(
             name="vllm",

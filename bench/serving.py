@@ -1,7 +1,8 @@
 """Serving benchmark: actorlm beside its peers, on the same model and seeded workload, in one run.
 
 Each engine in ``--engines`` is started on the same model (actorlm and llama.cpp on
-the GGUF, vLLM and ``transformers serve`` on its fp32 safetensors copy), warmed up
+the GGUF, vLLM, ``transformers serve`` and ``actorlm-hf`` on its fp32 safetensors
+copy), warmed up
 with one request, driven through every load level with the same requests, and
 stopped before the next starts. A missing peer is reported and skipped.
 

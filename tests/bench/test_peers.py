@@ -61,3 +61,12 @@ def test_actorlm_on_int8_rows_runs_in_actorlm_dtypes_with_its_method() -> None:
     assert argv[argv.index("--quantization") + 1] == "gguf_a8"
     assert argv[argv.index("--num-threads") + 1] == "2"
     assert "--quantization" not in runs[0].argv(runs[0], FILES, "127.0.0.1", 9)
+
+
+def test_actorlm_on_the_safetensors_reads_what_vllm_reads_dense() -> None:
+    runs = peers.plan_runs(["actorlm-hf"], peers.engines(), ["best"], ["auto"], [0, 1], "bfloat16")
+    assert [(r.name, r.dtype) for r in runs] == [("actorlm-hf", "auto")]
+    assert runs[0].needs_hf_dir
+    argv = runs[0].argv(runs[0], FILES, "127.0.0.1", 9)
+    assert argv[argv.index("--model") + 1] == str(FILES.hf_dir)
+    assert argv[argv.index("--quantization") + 1] == "none"
