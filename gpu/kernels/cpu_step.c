@@ -144,6 +144,31 @@ static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
     *hi = n * (t + 1) / nt;
 }
 
+/* The attention tasks [lo, hi) of thread t among nt: task b * Hkv + h is sequence b's KV
+   head h, the ranges contiguous and of about equal cost, a task's tokens attended to
+   (those after skip[b], when skip) plus ATT_TASK_BASE (its RoPE, KV store and set-up).
+   A task goes to the thread its middle falls in. share() by count would give one thread
+   the batch's long contexts where they sit together (the oldest requests). */
+#define ATT_TASK_BASE 32
+static void share_tasks(const int64_t *seq_lens, const int64_t *skip, int64_t B, int64_t Hkv,
+                        int t, int nt, int64_t *lo, int64_t *hi) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++) total += (seq_lens[b] - (skip ? skip[b] : 0) + ATT_TASK_BASE) * Hkv;
+    const int64_t from = total * t / nt, to = total * (t + 1) / nt;
+    int64_t cum = 0;
+    *lo = *hi = B * Hkv;
+    for (int64_t i = 0, found = 0; i < B * Hkv; i++) {
+        const int64_t b = i / Hkv, c = seq_lens[b] - (skip ? skip[b] : 0) + ATT_TASK_BASE;
+        const int64_t mid = cum + c / 2;
+        if (!found && mid >= from) *lo = i, found = 1;
+        if (mid >= to) {
+            *hi = i;
+            break;
+        }
+        cum += c;
+    }
+}
+
 /* Layer l's K (kv 0) or V (kv 1) pages of KV head h: [num_pages, page_size, head_dim] */
 static inline char *kv_head(const model_t *M, int64_t l, int kv, int64_t h) {
     const int64_t head_elems = M->num_pages * M->page_size * M->head_dim;
@@ -412,7 +437,14 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                     memcpy(res + b * Hd, (const float *)M->embed + tok * Hd, sizeof(float) * (size_t)Hd);
             }
             norm_rows(res, M->layers[0].in_norm, xn, B, Hd, eps);
-            int64_t c0, c1, lo, hi;
+            /* this thread's (row, KV head) tasks: those that attend by their contexts'
+               lengths; with store_first the first ones only rotate and store, alike */
+            int64_t c0, c1, lo, hi, att_lo, att_hi, rot_lo, rot_hi;
+            share_tasks(seq_lens, n_chunks ? row_shared : NULL, B, Hkv, t, nt, &att_lo, &att_hi);
+            if (store_first)
+                share(B * Hkv, t, nt, &rot_lo, &rot_hi);
+            else
+                rot_lo = att_lo, rot_hi = att_hi;
             for (int64_t l = 0; l < M->num_layers; l++) {
                 const layer_t *L = &M->layers[l];
                 const lora_t *ll = R ? M->lora + l * LORA_N : NULL;
@@ -421,8 +453,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 share(B, t, nt, &lo, &hi);
                 if (ll) lora_shrinks(ll, LORA_Q, 3, row_slots, xn, Hd, lo, hi, u_qkv, R);
                 team_wait(&team, nt, &phase);
-                share(B * Hkv, t, nt, &lo, &hi);
-                for (int64_t task = lo; task < hi; task++) {
+                for (int64_t task = rot_lo; task < rot_hi; task++) {
                     const int64_t b = task / Hkv, h = task % Hkv;
                     if (ll) { /* this task's columns of q, k and v get their deltas */
                         const int64_t s = row_slots[b];
@@ -486,7 +517,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                         }
                     } else
 #endif
-                        for (int64_t task = lo; task < hi; task++) { /* a task a (row, KV head) */
+                        for (int64_t task = att_lo; task < att_hi; task++) { /* a (row, KV head) */
                             const int64_t b = task / Hkv, h = task % Hkv;
                             attend_task(M, l, b, h, qkv, qkv_n, pages + b * table_stride,
                                         seq_lens[b], scores, acc, attn + b * H * D + h * G * D);
