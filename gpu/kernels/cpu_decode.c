@@ -145,7 +145,11 @@ int actorlm_paged_decode(const float *q, int64_t q_stride_b, const float *k, con
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(static)
+        /* a (sequence, KV head) at a time to whichever thread is free: contexts differ
+           (a batch's oldest requests sit together), and static halves left one thread
+           the long ones (32 sequences, half over 600 tokens and half over 100, fp32:
+           113 -> 93 ms a step through the model) */
+#pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < Hkv; h++) {
                 if (scores == NULL || acc == NULL) continue;
