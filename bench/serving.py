@@ -2,9 +2,8 @@
 
 Each engine in ``--engines`` is started on the same model (actorlm and llama.cpp on
 the GGUF, vLLM, ``transformers serve`` and ``actorlm-hf`` on its fp32 safetensors
-copy), warmed up
-with one request, driven through every load level with the same requests, and
-stopped before the next starts. A missing peer is reported and skipped.
+copy), warmed up with one request, driven through every load level with the same
+requests, and stopped before the next starts. A missing peer is reported and skipped.
 
     python bench/serving.py --engines actorlm,vllm,llamacpp,transformers \\
         --dataset random --concurrency 1,8,32

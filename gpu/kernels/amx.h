@@ -155,7 +155,8 @@ static inline void dense_expand(const uint16_t *w, int64_t N, int64_t K, int64_t
     __m512i r[16], t[16];
     for (int j = 0; j < 16; j++) {
         const int64_t n = g * GROUP + j;
-        r[j] = n < N ? _mm512_loadu_si512((const void *)(w + n * K + b * QK)) : _mm512_setzero_si512();
+        r[j] = n < N ? _mm512_loadu_si512((const void *)(w + n * K + b * QK))
+                     : _mm512_setzero_si512();
     }
     for (int j = 0; j < 16; j += 2) { /* pairs of rows: 32-bit lanes interleaved */
         t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
@@ -170,8 +171,10 @@ static inline void dense_expand(const uint16_t *w, int64_t N, int64_t K, int64_t
     /* r[4q + i] now holds, in 128-bit lane l, pair 4l + i of rows 4q..4q+3: gather the
        four 128-bit lanes of each pair index across the row quads */
     for (int i = 0; i < 4; i++) {
-        const __m512i a = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88), c = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
-        const __m512i e = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88), f = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+        const __m512i a = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+        const __m512i c = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        const __m512i e = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        const __m512i f = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
         wb[i] = _mm512_shuffle_i32x4(a, e, 0x88);
         wb[8 + i] = _mm512_shuffle_i32x4(a, e, 0xdd);
         wb[4 + i] = _mm512_shuffle_i32x4(c, f, 0x88);
@@ -188,16 +191,16 @@ static inline void amx_expand(const lin_t *L, int64_t g, int64_t b, __m512i *wb)
 }
 
 /* Groups [g0, g1) of a block weight (or a dense bf16 one) against all M rows of x with
-   each weight rounded to bf16 first: the tiles then sum over all of K (a block's scale is in its weights), so
-   a group's C tiles are stored once, not once a block. Two groups and two tiles of rows
-   at a time (C tiles 0-3), so a block's tile of weights and a tile of rows each serve two
-   products: four loads for four products. The next two groups' weights are expanded
-   between the products of this pair's first rows (the vector units work while the tiles
-   do), and whole C tiles are stored straight into y (the ffn_up of the default model,
-   two cores: 117 / 256 / 512 rows 0.111 / 0.220 / 0.434 ms, were 0.143 / 0.270 / 0.54).
-   0, or -1 (no AMX or scratch). */
+   each weight rounded to bf16 first: the tiles then sum over all of K (a block's scale
+   is in its weights), so a group's C tiles are stored once, not once a block. Two groups
+   and two tiles of rows at a time (C tiles 0-3), so a block's tile of weights and a tile
+   of rows each serve two products: four loads for four products. The next two groups'
+   weights are expanded between the products of this pair's first rows (the vector
+   units work while the tiles do), and whole C tiles are stored straight into y (the
+   ffn_up of the default model, two cores: 117 / 256 / 512 rows 0.111 / 0.220 / 0.434
+   ms, were 0.143 / 0.270 / 0.54). 0, or -1 (no AMX or scratch). */
 static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
-                              int64_t g1, float *y, int64_t ys) {
+                             int64_t g1, float *y, int64_t ys) {
     if (!amx_ready()) return -1;
     const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
@@ -241,7 +244,8 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
                     if (rows2) _tile_dpbf16ps(3, 6, 7);
                 }
                 if (t0 == 0)
-                    for (int64_t i = 0; i < next; i++) amx_expand(L, g + 2 + i, b, wn + (i * nb + b) * 16);
+                    for (int64_t i = 0; i < next; i++)
+                        amx_expand(L, g + 2 + i, b, wn + (i * nb + b) * 16);
             }
             /* whole tiles go straight to y; a part tile (the last rows or columns)
                through cb */

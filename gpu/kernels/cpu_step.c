@@ -153,7 +153,8 @@ static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
 static void share_tasks(const int64_t *seq_lens, const int64_t *skip, int64_t B, int64_t Hkv,
                         int t, int nt, int64_t *lo, int64_t *hi) {
     int64_t total = 0;
-    for (int64_t b = 0; b < B; b++) total += (seq_lens[b] - (skip ? skip[b] : 0) + ATT_TASK_BASE) * Hkv;
+    for (int64_t b = 0; b < B; b++)
+        total += (seq_lens[b] - (skip ? skip[b] : 0) + ATT_TASK_BASE) * Hkv;
     const int64_t from = total * t / nt, to = total * (t + 1) / nt;
     int64_t cum = 0;
     *lo = *hi = B * Hkv;
