@@ -152,34 +152,14 @@ static inline void dq_expand(const int q4, const uint8_t *q, const uint16_t *d,
    is the 16 x 16 transpose of those pairs (columns past N are zeros). */
 static inline void dense_expand(const uint16_t *w, int64_t N, int64_t K, int64_t g, int64_t b,
                                 __m512i *wb) {
-    __m512i r[16], t[16];
+    __m512i r[16];
     for (int j = 0; j < 16; j++) {
         const int64_t n = g * GROUP + j;
         r[j] = n < N ? _mm512_loadu_si512((const void *)(w + n * K + b * QK))
                      : _mm512_setzero_si512();
     }
-    for (int j = 0; j < 16; j += 2) { /* pairs of rows: 32-bit lanes interleaved */
-        t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
-        t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
-    }
-    for (int j = 0; j < 16; j += 4) { /* 64-bit lanes of rows j..j+3 */
-        r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-        r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-        r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-        r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-    }
-    /* r[4q + i] now holds, in 128-bit lane l, pair 4l + i of rows 4q..4q+3: gather the
-       four 128-bit lanes of each pair index across the row quads */
-    for (int i = 0; i < 4; i++) {
-        const __m512i a = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
-        const __m512i c = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
-        const __m512i e = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
-        const __m512i f = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
-        wb[i] = _mm512_shuffle_i32x4(a, e, 0x88);
-        wb[8 + i] = _mm512_shuffle_i32x4(a, e, 0xdd);
-        wb[4 + i] = _mm512_shuffle_i32x4(c, f, 0x88);
-        wb[12 + i] = _mm512_shuffle_i32x4(c, f, 0xdd);
-    }
+    tr16_dwords(r);
+    for (int p = 0; p < 16; p++) wb[p] = r[p];
 }
 
 /* Block b of group g of a block or dense bf16 weight as AMX's B tile */

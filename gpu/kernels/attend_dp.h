@@ -21,31 +21,6 @@
 
 #define ATT_DP_MAX_G 16
 
-/* r[j] (key j's 16 pairs) -> r[p] (pair p of the 16 keys) */
-static inline __attribute__((always_inline)) void att_tr16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* u[i + c]: rows i..i+3, column 4L + c of lane L */
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-        const __m512i b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-        const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-        const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-        r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
-        r[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
-    }
-}
-
 /* scores[g * len + t] = scale * q_g . k_t for the `len` keys of `table` */
 static void att_dp_scores(const float *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *table, int64_t len, int64_t G, int64_t D,
@@ -85,7 +60,7 @@ static void att_dp_scores(const float *q, const uint16_t *k, const uint16_t *v,
                 for (int j = 0; j < 16; j++)
                     r[j] = j < n ? _mm512_loadu_si512((const void *)(kp + (i0 + j) * D + c * 32))
                                  : _mm512_setzero_si512();
-                att_tr16(r);
+                tr16_dwords(r);
                 for (int64_t g = 0; g < G; g++) {
                     /* four chains of dependent dot products, not one of 16 */
                     const uint32_t *qg = qp + g * half + c * 16;

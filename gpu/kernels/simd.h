@@ -105,6 +105,31 @@ static inline vf siluv(vf g) {
     const vf e = expv((vf)_mm512_min_ps((__m512)-g, _mm512_set1_ps(80.f)));
     return g / (1.f + e);
 }
+/* The 16 x 16 transpose of 32-bit lanes: r[j]'s lane p -> r[p]'s lane j (attend_dp.h: key
+   j's 16 bf16 pairs -> pair p of the 16 keys; amx.h: a weight row's pairs -> a B tile) */
+static inline __attribute__((always_inline)) void tr16_dwords(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + c]: rows i..i+3, column 4L + c of lane L */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        const __m512i b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+        r[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+    }
+}
 #else
 #define expv exp8
 #define siluv silu8
