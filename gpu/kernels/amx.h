@@ -170,6 +170,27 @@ static inline void amx_expand(const lin_t *L, int64_t g, int64_t b, __m512i *wb)
         dq_expand(L->kind == LIN_Q4_1, (const uint8_t *)L->w, L->d, L->m, g * (L->k / QK) + b, wb);
 }
 
+/* x rounded to bf16 once for several calls over the same rows (cpu_step.c's claimed
+   column chunks): the rows it was rounded from and the copy, padded with zero rows to
+   whole tiles. amx_expanded_cols reads the copy for those very rows instead of rounding
+   them again; amx_round_forget before x changes. */
+static __thread const float *amx_xr_src;
+static __thread int64_t amx_xr_rows, amx_xr_k;
+static __thread void *amx_xr_buf;
+static __thread size_t amx_xr_bytes;
+
+static int amx_round_once(const float *x, int64_t M, int64_t K) {
+    const int64_t T = (M + 15) / 16;
+    uint16_t *xb = grow_buffer(&amx_xr_buf, &amx_xr_bytes, (size_t)(T * 16 * K) * 2);
+    if (xb == NULL) return -1;
+    dp_round_rows(x, M, K, K, xb, NULL);
+    memset(xb + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
+    amx_xr_src = x, amx_xr_rows = M, amx_xr_k = K;
+    return 0;
+}
+
+static inline void amx_round_forget(void) { amx_xr_src = NULL; }
+
 /* Groups [g0, g1) of a block weight (or a dense bf16 one) against all M rows of x with
    each weight rounded to bf16 first: the tiles then sum over all of K (a block's scale
    is in its weights), so a group's C tiles are stored once, not once a block. Two groups
@@ -186,13 +207,17 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
     char *buf = dp_buffer(xb_bytes + (size_t)nb * 4096 + 4 * 1024);
     if (buf == NULL) return -1;
-    uint16_t *xb = (uint16_t *)buf;
+    const uint16_t *xb = (const uint16_t *)buf;
     /* two groups' B tiles, a block each, twice: the next pair's are expanded while the
        tiles work on this pair's first rows */
     __m512i *wbs = (__m512i *)(buf + xb_bytes);
     float *cb = (float *)(buf + xb_bytes + (size_t)nb * 4096);
-    dp_round_rows(x, M, xs, K, xb, NULL);
-    memset(xb + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
+    if (x == amx_xr_src && M == amx_xr_rows && K == amx_xr_k && xs == K) {
+        xb = (const uint16_t *)amx_xr_buf; /* rounded once by the caller */
+    } else {
+        dp_round_rows(x, M, xs, K, (uint16_t *)buf, NULL);
+        memset((uint16_t *)buf + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
+    }
     const int64_t xstride = K * 2;
     for (int64_t i = 0; i < 2 && g0 + i < g1; i++)
         for (int64_t b = 0; b < nb; b++) amx_expand(L, g0 + i, b, wbs + (i * nb + b) * 16);

@@ -303,6 +303,35 @@ static inline int64_t seq_parts(const int64_t *head_rows, int64_t i, int nt) {
     return n >= FLASH_SPLIT_ROWS ? nt : 1;
 }
 
+/* A tile of 16 of a sequence's n new rows (the first at position `start`) costs the keys
+   its last row sees, and TILE_KEYS more for its own work (its queries, its output) */
+#define TILE_KEYS 64
+static inline int64_t tile_cost(int64_t n, int64_t start, int64_t t) {
+    return TILE_KEYS + start + (16 * (t + 1) < n ? 16 * (t + 1) : n);
+}
+
+/* Where part `part` of `parts` of a sequence's n new rows begins: at the tile boundary
+   nearest an equal share of the tiles' costs. A fresh prompt's later rows see more
+   keys, so they go in shorter parts: halves by count left the second thread ~2.6x the
+   first's work on a 256-token prompt. A row's sums do not depend on its tile's others. */
+static int64_t part_row(int64_t n, int64_t start, int64_t part, int64_t parts) {
+    if (part <= 0) return 0;
+    if (part >= parts) return n;
+    const int64_t tiles = (n + 15) / 16;
+    int64_t total = 0, done = 0;
+    for (int64_t t = 0; t < tiles; t++) total += tile_cost(n, start, t);
+    const int64_t target = total * part / parts;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t next = done + tile_cost(n, start, t);
+        if (next > target) {
+            const int64_t row = 16 * (target - done < next - target ? t : t + 1);
+            return row < n ? row : n;
+        }
+        done = next;
+    }
+    return n;
+}
+
 /* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
    over a bf16 pool, on bf16 products as prompts run (flash.h): K and V are read once a
    block for all the rows, where attend_task reads them once a row. q16, o16: the
@@ -361,6 +390,49 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
     }
 }
 
+#if defined(__AMX_BF16__)
+/* From this many rows each linear's columns are claimed a chunk at a time from a
+   counter the threads share, instead of split in fixed halves: the halves are equal
+   work, but the threads are not equally fast (a vCPU the host or another actor takes
+   time from: on the 2-core AMX Xeon one thread waited ~5 ms of a 256-token prompt's
+   ~48 ms step at the barriers after the linears, and the step runs ~10% faster so at
+   256 and 304 rows). Each chunk's call pays for expanding its first weights without
+   the tiles to hide it, which the balance does not repay below: level at 128 and 192
+   rows, 2-3% slower at 64 (decode at 1-8 rows, claimed so, ran 3-15% slower). */
+#define CLAIM_MIN_ROWS 224
+#endif
+
+/* Columns a claim takes: about four chunks a thread, whole pairs of groups */
+static inline int64_t claim_cols(int64_t n, int nt) {
+    const int64_t c = (n + 4 * nt - 1) / (4 * nt);
+    return (c + 2 * GROUP - 1) / (2 * GROUP) * (2 * GROUP);
+}
+
+/* Rounds x once for a thread's claims over it (amx.h), where the kernels take the copy */
+static inline void claims_begin(const float *x, int64_t B, int64_t K) {
+#if defined(__AMX_BF16__)
+    amx_round_once(x, B, K);
+#else
+    (void)x, (void)B, (void)K;
+#endif
+}
+
+static inline void claims_end(void) {
+#if defined(__AMX_BF16__)
+    amx_round_forget();
+#endif
+}
+
+/* Columns [0, n) of L for all B rows of x, in chunks claimed from *next */
+static void lin_claim(const lin_t *L, const float *x, int64_t B, int64_t K, int64_t n, float *y,
+                      int64_t ys, _Atomic int64_t *next, int nt) {
+    const int64_t chunk = claim_cols(n, nt);
+    claims_begin(x, B, K);
+    for (int64_t c; (c = atomic_fetch_add_explicit(next, chunk, memory_order_relaxed)) < n;)
+        lin_cols(L, x, B, K, c, c + chunk < n ? c + chunk : n, y, ys);
+    claims_end();
+}
+
 /*
  * tokens [B]; cos, sin [B, head_dim / 2] fp32 (each sequence's new position);
  * slots [B] flat KV slot of each new token; pages [B, table_stride] page ids;
@@ -410,6 +482,17 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     float *ml_rows = u_down + B * R; /* [B, H, 2]: each row's own part, cascade rows */
     int failed = 0;
     team_t team = {0};
+    /* a counter a (layer, linear) of the claimed columns; NULL: fixed halves */
+    _Atomic int64_t *claims = NULL;
+#if defined(CLAIM_MIN_ROWS)
+    if (B >= CLAIM_MIN_ROWS && threads > 1) {
+        claims = calloc((size_t)(M->num_layers * 4), sizeof *claims);
+        if (claims == NULL) {
+            free(shared);
+            return -1;
+        }
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -449,8 +532,13 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             for (int64_t l = 0; l < M->num_layers; l++) {
                 const layer_t *L = &M->layers[l];
                 const lora_t *ll = R ? M->lora + l * LORA_N : NULL;
-                lin_part(qkv_n, t, nt, &c0, &c1);
-                lin_cols(&L->qkv, xn, B, Hd, c0, c1, qkv, qkv_n);
+                _Atomic int64_t *cl = claims ? claims + l * 4 : NULL;
+                if (cl)
+                    lin_claim(&L->qkv, xn, B, Hd, qkv_n, qkv, qkv_n, cl, nt);
+                else {
+                    lin_part(qkv_n, t, nt, &c0, &c1);
+                    lin_cols(&L->qkv, xn, B, Hd, c0, c1, qkv, qkv_n);
+                }
                 share(B, t, nt, &lo, &hi);
                 if (ll) lora_shrinks(ll, LORA_Q, 3, row_slots, xn, Hd, lo, hi, u_qkv, R);
                 team_wait(&team, nt, &phase);
@@ -505,8 +593,9 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                             const int64_t end = first + mine < hi ? first + mine : hi;
                             for (int64_t task = first > lo ? first : lo; task < end; task++) {
                                 const int64_t h = (task - first) % Hkv, part = (task - first) / Hkv;
-                                const int64_t a = r0 + n * part / parts;
-                                const int64_t z = r0 + n * (part + 1) / parts;
+                                const int64_t pos = seq_lens[r0] - 1; /* row r0's */
+                                const int64_t a = r0 + part_row(n, pos, part, parts);
+                                const int64_t z = r0 + part_row(n, pos, part + 1, parts);
                                 if (z - a >= FLASH_MIN_ROWS && !flash_rows(M, l, a, z - a, h, qkv, qkv_n, tb,
                                                                            seq_lens[a] - 1, q16, o16, attn))
                                     continue;
@@ -525,8 +614,12 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                         }
                 }
                 team_wait(&team, nt, &phase);
-                lin_part(Hd, t, nt, &c0, &c1);
-                lin_cols(&L->o, attn, B, H * D, c0, c1, lin_out, Hd);
+                if (cl)
+                    lin_claim(&L->o, attn, B, H * D, Hd, lin_out, Hd, cl + 1, nt);
+                else {
+                    lin_part(Hd, t, nt, &c0, &c1);
+                    lin_cols(&L->o, attn, B, H * D, c0, c1, lin_out, Hd);
+                }
                 share(B, t, nt, &lo, &hi);
                 if (ll) lora_shrinks(ll, LORA_O, 1, row_slots, attn, H * D, lo, hi, u_o, R);
                 team_wait(&team, nt, &phase);
@@ -534,11 +627,24 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 if (ll) lora_adds(&ll[LORA_O], row_slots, u_o, R, res, Hd, 0, Hd, 0, B);
                 norm_rows(res, L->post_norm, xn, B, Hd, eps);
                 if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xn, Hd, 0, B, u_gu, R);
-                lin_part(I, t, nt, &c0, &c1);
-                gate_up_silu(&L->gate_up, xn, B, Hd, I, c0, c1, tg, tu, act, ll, row_slots, u_gu, R);
+                if (cl) { /* chunks of at most SILU_CHUNK: tg and tu hold one */
+                    const int64_t chunk = claim_cols(I, nt) < SILU_CHUNK ? claim_cols(I, nt) : SILU_CHUNK;
+                    claims_begin(xn, B, Hd);
+                    for (int64_t c; (c = atomic_fetch_add_explicit(cl + 2, chunk, memory_order_relaxed)) < I;)
+                        gate_up_silu(&L->gate_up, xn, B, Hd, I, c, c + chunk < I ? c + chunk : I, tg, tu,
+                                     act, ll, row_slots, u_gu, R);
+                    claims_end();
+                } else {
+                    lin_part(I, t, nt, &c0, &c1);
+                    gate_up_silu(&L->gate_up, xn, B, Hd, I, c0, c1, tg, tu, act, ll, row_slots, u_gu, R);
+                }
                 team_wait(&team, nt, &phase);
-                lin_part(Hd, t, nt, &c0, &c1);
-                lin_cols(&L->down, act, B, I, c0, c1, lin_out, Hd);
+                if (cl)
+                    lin_claim(&L->down, act, B, I, Hd, lin_out, Hd, cl + 3, nt);
+                else {
+                    lin_part(Hd, t, nt, &c0, &c1);
+                    lin_cols(&L->down, act, B, I, c0, c1, lin_out, Hd);
+                }
                 share(B, t, nt, &lo, &hi);
                 if (ll) lora_shrinks(ll, LORA_DOWN, 1, row_slots, act, I, lo, hi, u_down, R);
                 team_wait(&team, nt, &phase);
@@ -559,6 +665,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         free(res);
     }
     free(shared);
+    free(claims);
     return failed ? -1 : 0;
 }
 

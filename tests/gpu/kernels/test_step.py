@@ -278,6 +278,10 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     err, bound = (got - want).abs().max().item(), (forward - want).abs().max().item()
     assert err <= 1.5 * bound, (err, bound)  # seen: 4.1 / 9.3
     assert bound <= 0.2 * want.abs().max().item()
+    # 300 rows: the threads claim the linears' columns a chunk at a time (cpu_step.c's
+    # CLAIM_MIN_ROWS), and a fresh prompt's parts are split by the keys they attend
+    fresh = [SeqSpec(LONG[1][300:600], 0, list(range(50, 70)))]
+    assert torch.equal(runner.run(fresh), alone.run(fresh))
 
 
 def test_models_it_cannot_describe_keep_their_forward(
