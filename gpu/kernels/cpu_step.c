@@ -482,13 +482,21 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     float *ml_rows = u_down + B * R; /* [B, H, 2]: each row's own part, cascade rows */
     int failed = 0;
     team_t team = {0};
-    /* a counter a (layer, linear) of the claimed columns; NULL: fixed halves */
-    _Atomic int64_t *claims = NULL;
+    /* a counter a (layer, linear) of the claimed columns (NULL: fixed halves), and a
+       counter a layer of the claimed attention tasks where sequences attend together */
+    _Atomic int64_t *claims = NULL, *att_next = NULL;
+#if defined(__AVX512BF16__)
+    if (flash && (att_next = calloc((size_t)M->num_layers, sizeof *att_next)) == NULL) {
+        free(shared);
+        return -1;
+    }
+#endif
 #if defined(CLAIM_MIN_ROWS)
     if (B >= CLAIM_MIN_ROWS && threads > 1) {
         claims = calloc((size_t)(M->num_layers * 4), sizeof *claims);
         if (claims == NULL) {
             free(shared);
+            free(att_next);
             return -1;
         }
     }
@@ -581,29 +589,32 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                     if (flash) { /* a task a (sequence, KV head, part of its rows): a
                                     sequence of FLASH_SPLIT_ROWS or more rows in nt parts
                                     (a row's sums do not depend on its tile's other rows);
-                                    sequence i ends at row head_rows[i] */
+                                    sequence i ends at row head_rows[i]. The tasks are
+                                    claimed one at a time, the last first: a step's
+                                    prompts come after its decodes, and their parts are
+                                    the long tasks, which fixed shares by count left to
+                                    one thread (~5 ms a step of 8 decodes and a 250-token
+                                    prompt); the decodes' short ones even out the end. */
                         int64_t tasks = 0;
                         for (int64_t i = 0; i < n_head; i++)
                             tasks += Hkv * seq_parts(head_rows, i, nt);
-                        share(tasks, t, nt, &lo, &hi);
-                        for (int64_t i = 0, first = 0; i < n_head && first < hi; i++) {
-                            const int64_t parts = seq_parts(head_rows, i, nt), mine = Hkv * parts;
+                        int64_t i = n_head, first = tasks; /* sequence i's first task */
+                        for (int64_t k; (k = atomic_fetch_add_explicit(att_next + l, 1, memory_order_relaxed)) < tasks;) {
+                            const int64_t task = tasks - 1 - k;
+                            while (task < first) first -= Hkv * seq_parts(head_rows, --i, nt);
+                            const int64_t parts = seq_parts(head_rows, i, nt);
                             const int64_t r0 = i ? head_rows[i - 1] + 1 : 0, n = head_rows[i] + 1 - r0;
                             const int64_t *tb = pages + r0 * table_stride;
-                            const int64_t end = first + mine < hi ? first + mine : hi;
-                            for (int64_t task = first > lo ? first : lo; task < end; task++) {
-                                const int64_t h = (task - first) % Hkv, part = (task - first) / Hkv;
-                                const int64_t pos = seq_lens[r0] - 1; /* row r0's */
-                                const int64_t a = r0 + part_row(n, pos, part, parts);
-                                const int64_t z = r0 + part_row(n, pos, part + 1, parts);
-                                if (z - a >= FLASH_MIN_ROWS && !flash_rows(M, l, a, z - a, h, qkv, qkv_n, tb,
-                                                                           seq_lens[a] - 1, q16, o16, attn))
-                                    continue;
-                                for (int64_t b = a; b < z; b++)
-                                    attend_task(M, l, b, h, qkv, qkv_n, tb, seq_lens[b], scores, acc,
-                                                attn + b * H * D + h * G * D);
-                            }
-                            first += mine;
+                            const int64_t h = (task - first) % Hkv, part = (task - first) / Hkv;
+                            const int64_t pos = seq_lens[r0] - 1; /* row r0's */
+                            const int64_t a = r0 + part_row(n, pos, part, parts);
+                            const int64_t z = r0 + part_row(n, pos, part + 1, parts);
+                            if (z - a >= FLASH_MIN_ROWS && !flash_rows(M, l, a, z - a, h, qkv, qkv_n, tb,
+                                                                       seq_lens[a] - 1, q16, o16, attn))
+                                continue;
+                            for (int64_t b = a; b < z; b++)
+                                attend_task(M, l, b, h, qkv, qkv_n, tb, seq_lens[b], scores, acc,
+                                            attn + b * H * D + h * G * D);
                         }
                     } else
 #endif
@@ -666,6 +677,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     }
     free(shared);
     free(claims);
+    free(att_next);
     return failed ? -1 : 0;
 }
 
