@@ -11,7 +11,10 @@ requests, and stopped before the next starts. A missing peer is reported and ski
 
 Writes ``--out`` (JSON; default ``bench/results/serving-<dataset>.json``), the
 Markdown table beside it (``.md``, also printed) and ``-throughput.png`` and
-``-latency.png`` plots. See bench/README.md for what each column means.
+``-latency.png`` plots. See bench/README.md for what each column means. A second table
+puts every engine against the machine's ceiling for each level (bench/serving_bound.py:
+the least time the level's work can take here, from the read bandwidth and GEMM
+throughput measured before the engines start; ``--no-ceiling`` skips it).
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ if str(REPO) not in sys.path:  # `python bench/serving.py` from anywhere
 
 from bench import machine, peers  # noqa: E402
 from bench.processes import EngineProcess, free_port  # noqa: E402
+from bench.serving_bound import ModelCost, level_floor, measure_limits  # noqa: E402
 from bench.serving_client import run_level, send_one, server_info, wait_ready  # noqa: E402
 from bench.serving_metrics import count_output_tokens, summarize  # noqa: E402
-from bench.serving_report import markdown_table, plot_results  # noqa: E402
+from bench.serving_report import ceiling_table, markdown_table, plot_results  # noqa: E402
 from bench.workloads import (  # noqa: E402
     DATASETS,
     BenchRequest,
@@ -186,6 +190,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None)
     o.add_argument("--no-plots", action="store_true")
+    o.add_argument(
+        "--no-ceiling",
+        action="store_true",
+        help="skip measuring the machine's limits and each level's ceiling (bench/serving_bound.py)",
+    )
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--keep-text", action="store_true", help="keep output texts in the JSON")
     return p.parse_args(argv)
@@ -290,6 +299,31 @@ async def _bench_engine(
     return out
 
 
+def ceilings(
+    gguf: Path,
+    limits: dict[str, float],
+    workloads: list[Workload],
+    levels: list[tuple[int | None, float | None]],
+    encode: Callable[[str], list[int]],
+) -> list[dict[str, Any]]:
+    """Each level's floor on this machine (bench/serving_bound.py), from the requests
+    every engine was sent."""
+    cost = ModelCost.from_gguf(gguf)
+    out = []
+    for (conc, rate), wl in zip(levels, workloads, strict=True):
+        reqs = wl.requests
+        floor = level_floor(
+            cost,
+            limits["read_bandwidth"],
+            limits["gemm"],
+            [encode(r.prompt) for r in reqs],
+            [r.output_tokens for r in reqs],
+            conc,
+        )
+        out.append({"concurrency": conc, "request_rate": rate, **floor})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or REPO / "bench" / "results" / f"serving-{args.dataset}.json"
@@ -357,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": [w.describe() for w in workloads],  # one a level, in order
         "engines": {},
     }
+
+    if not args.no_ceiling and (args.model or not args.url):  # an external server's model
+        # is unknown; measured before any engine starts, on a quiet machine
+        data["limits"] = measure_limits()
 
     def save() -> None:
         out.write_text(json.dumps(data, indent=1, default=str))
@@ -445,8 +483,12 @@ def main(argv: list[str] | None = None) -> int:
             budget.levels_left = left_after
         save()
 
+    if data.get("limits"):
+        data["ceiling"] = ceilings(gguf, data["limits"], workloads, levels, encode)
     save()
     table_md = markdown_table(data)
+    if data.get("ceiling"):
+        table_md += "\n\n" + ceiling_table(data)
     header = (
         f"Serving benchmark, dataset `{args.dataset}`, model `{gguf.name}`, "
         f"{data['date']}, {data['machine']['cpu']} ({data['machine']['threads']} cores to "

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown_table", "plot_results"]
+__all__ = ["ceiling_table", "markdown_table", "plot_results"]
 
 BASELINE = "actorlm"
 
@@ -74,6 +74,45 @@ def markdown_table(data: dict[str, Any]) -> str:
     if notes:
         out += "\n\n" + "\n".join(f"[{k}] {n}" for k, n in enumerate(notes, 1))
     return out
+
+
+def ceiling_table(data: dict[str, Any]) -> str:
+    """Each level's floor on this machine (bench/serving_bound.py) and each engine against
+    it: its output tok/s as a share of the ceiling, its TTFT p50 over the floor's."""
+    lim = data["limits"]
+    engines = {n: e for n, e in data.get("engines", {}).items() if e.get("levels")}
+    head = (
+        "| load | ceiling out tok/s | floor s: compute / memory | TTFT floor ms (alone, p50) | "
+        + " | ".join(
+            f"{e.get('label', n)}: out tok/s % of ceiling, TTFT p50 × floor"
+            for n, e in engines.items()
+        )
+        + " |"
+    )
+    lines = [
+        f"Machine ceiling (GGUF weights, 16-bit KV; read {lim['read_bandwidth'] / 1e9:.1f} GB/s,"
+        f" best GEMM {lim['gemm'] / 1e9:,.0f} GFLOP/s):",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for i, c in enumerate(data["ceiling"]):
+        cells = []
+        for e in engines.values():
+            lv = e["levels"][i] if i < len(e["levels"]) else None
+            if lv is None:
+                cells.append("–")
+                continue
+            s = lv["summary"]
+            share = 100 * s["output_throughput"] / c["ceiling_out_tok_s"]
+            cells.append(f"{share:.0f}%, {_ratio(s['ttft_ms']['p50'], c['ttft_p50_floor_ms'])}")
+        lines.append(
+            f"| {_level_key(c)} | {_f(c['ceiling_out_tok_s'])} "
+            f"| {c['compute_s']:.2f} / {c['memory_s']:.2f} | {_f(c['ttft_p50_floor_ms'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def _xaxis(ax: Any, ticks: list[float]) -> None:
