@@ -392,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         "engines": {},
     }
 
-    if not args.no_ceiling and (args.model or not args.url):  # an external server's model
-        # is unknown; measured before any engine starts, on a quiet machine
+    # the machine's limits, measured before any engine starts; an external server's model
+    # is the GGUF only where --model names it
+    if not args.no_ceiling and (args.model or not args.url):
         data["limits"] = measure_limits()
 
     def save() -> None:
