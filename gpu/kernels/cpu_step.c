@@ -402,10 +402,20 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
 #define CLAIM_MIN_ROWS 224
 #endif
 
-/* Columns a claim takes: about four chunks a thread, whole pairs of groups */
-static inline int64_t claim_cols(int64_t n, int nt) {
+/* Columns a claim takes: about four chunks a thread, whole pairs of groups, `most` at most */
+static inline int64_t claim_cols(int64_t n, int nt, int64_t most) {
     const int64_t c = (n + 4 * nt - 1) / (4 * nt);
-    return (c + 2 * GROUP - 1) / (2 * GROUP) * (2 * GROUP);
+    const int64_t pairs = (c + 2 * GROUP - 1) / (2 * GROUP) * (2 * GROUP);
+    return pairs < most ? pairs : most;
+}
+
+/* The next `chunk` columns [*c0, *c1) of [0, n) from *next; 0 when none are left */
+static inline int claim_next(_Atomic int64_t *next, int64_t chunk, int64_t n, int64_t *c0,
+                             int64_t *c1) {
+    const int64_t c = atomic_fetch_add_explicit(next, chunk, memory_order_relaxed);
+    if (c >= n) return 0;
+    *c0 = c, *c1 = c + chunk < n ? c + chunk : n;
+    return 1;
 }
 
 /* Rounds x once for a thread's claims over it (amx.h), where the kernels take the copy */
@@ -426,10 +436,9 @@ static inline void claims_end(void) {
 /* Columns [0, n) of L for all B rows of x, in chunks claimed from *next */
 static void lin_claim(const lin_t *L, const float *x, int64_t B, int64_t K, int64_t n, float *y,
                       int64_t ys, _Atomic int64_t *next, int nt) {
-    const int64_t chunk = claim_cols(n, nt);
+    const int64_t chunk = claim_cols(n, nt, n);
     claims_begin(x, B, K);
-    for (int64_t c; (c = atomic_fetch_add_explicit(next, chunk, memory_order_relaxed)) < n;)
-        lin_cols(L, x, B, K, c, c + chunk < n ? c + chunk : n, y, ys);
+    for (int64_t c0, c1; claim_next(next, chunk, n, &c0, &c1);) lin_cols(L, x, B, K, c0, c1, y, ys);
     claims_end();
 }
 
@@ -639,11 +648,11 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 norm_rows(res, L->post_norm, xn, B, Hd, eps);
                 if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xn, Hd, 0, B, u_gu, R);
                 if (cl) { /* chunks of at most SILU_CHUNK: tg and tu hold one */
-                    const int64_t chunk = claim_cols(I, nt) < SILU_CHUNK ? claim_cols(I, nt) : SILU_CHUNK;
+                    const int64_t chunk = claim_cols(I, nt, SILU_CHUNK);
                     claims_begin(xn, B, Hd);
-                    for (int64_t c; (c = atomic_fetch_add_explicit(cl + 2, chunk, memory_order_relaxed)) < I;)
-                        gate_up_silu(&L->gate_up, xn, B, Hd, I, c, c + chunk < I ? c + chunk : I, tg, tu,
-                                     act, ll, row_slots, u_gu, R);
+                    for (int64_t a, z; claim_next(cl + 2, chunk, I, &a, &z);)
+                        gate_up_silu(&L->gate_up, xn, B, Hd, I, a, z, tg, tu, act, ll, row_slots,
+                                     u_gu, R);
                     claims_end();
                 } else {
                     lin_part(I, t, nt, &c0, &c1);
