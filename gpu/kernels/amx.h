@@ -173,11 +173,18 @@ static inline void amx_expand(const lin_t *L, int64_t g, int64_t b, __m512i *wb)
 /* x rounded to bf16 once for several calls over the same rows (cpu_step.c's claimed
    column chunks): the rows it was rounded from and the copy, padded with zero rows to
    whole tiles. amx_expanded_cols reads the copy for those very rows instead of rounding
-   them again; amx_round_forget before x changes. */
+   them again; amx_round_forget before x changes. The copy is this thread's own
+   (amx_round_once) or one the caller made (amx_round_given: the team's, its rows
+   rounded by the thread that wrote them). */
 static __thread const float *amx_xr_src;
 static __thread int64_t amx_xr_rows, amx_xr_k;
+static __thread const uint16_t *amx_xr_copy;
 static __thread void *amx_xr_buf;
 static __thread size_t amx_xr_bytes;
+
+static inline void amx_round_given(const float *x, int64_t M, int64_t K, const uint16_t *xb) {
+    amx_xr_src = x, amx_xr_rows = M, amx_xr_k = K, amx_xr_copy = xb;
+}
 
 static int amx_round_once(const float *x, int64_t M, int64_t K) {
     const int64_t T = (M + 15) / 16;
@@ -185,7 +192,7 @@ static int amx_round_once(const float *x, int64_t M, int64_t K) {
     if (xb == NULL) return -1;
     dp_round_rows(x, M, K, K, xb, NULL);
     memset(xb + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
-    amx_xr_src = x, amx_xr_rows = M, amx_xr_k = K;
+    amx_round_given(x, M, K, xb);
     return 0;
 }
 
@@ -213,7 +220,7 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
     __m512i *wbs = (__m512i *)(buf + xb_bytes);
     float *cb = (float *)(buf + xb_bytes + (size_t)nb * 4096);
     if (x == amx_xr_src && M == amx_xr_rows && K == amx_xr_k && xs == K) {
-        xb = (const uint16_t *)amx_xr_buf; /* rounded once by the caller */
+        xb = amx_xr_copy; /* rounded once by the caller */
     } else {
         dp_round_rows(x, M, xs, K, (uint16_t *)buf, NULL);
         memset((uint16_t *)buf + M * K, 0, (size_t)((T * 16 - M) * K) * 2);

@@ -93,3 +93,46 @@ def test_adapter_steps_it_takes(tiny_llama: Path, lora_adapters: dict[str, Path]
     bare = make_runner(tiny_llama, quantization="none")  # a step without set_lora
     assert bare.fused is not None and not bare.fused.step.has_lora
     assert not bare.fused.accepts(one, LoraPlan.build([1, 1], [BASE, 0], ranks, native=True))
+
+
+def many_rows(runner: ModelRunner, n: int, threads: int = 0) -> torch.Tensor:
+    """Prompts of 3 tokens for n sequences (NAMES' adapters in turn, rows grouped by
+    slot), then one decode step of n rows (the fused step's on ``threads`` threads):
+    its logits."""
+    pool, fused = runner.lora, runner.fused
+    assert pool is not None
+    if threads:
+        assert fused is not None
+        fused.threads.options = lambda: [threads]  # type: ignore[method-assign]
+    slots = sorted(BASE if not (a := NAMES[i % len(NAMES)]) else pool.slot_of(a) for i in range(n))
+    pages = Pages()
+    prompts = [[(7 * j) % 500 + 3, j % 11 + 600, 42] for j in range(n)]
+    seqs = [SeqSpec(p, 0, pages.table(f"s{j}", 3)) for j, p in enumerate(prompts)]
+    try:
+        pool.plan = LoraPlan.build([3] * n, slots, pool.ranks, native=True)
+        nxt = runner.run(seqs).argmax(1).tolist()
+        step = [SeqSpec([t], 3, pages.table(f"s{j}", 4)) for j, t in enumerate(nxt)]
+        pool.plan = LoraPlan.build([1] * n, slots, pool.ranks, native=True)
+        assert fused is None or fused.accepts(step, pool.plan)
+        return runner.run(step)
+    finally:
+        pool.plan = None
+
+
+def test_a_step_of_many_rows_shares_the_residual_rows(
+    tiny_llama: Path, lora_adapters: dict[str, Path]
+) -> None:
+    """From cpu_step.c's CLAIM_MIN_ROWS rows (AMX builds) the threads claim the linears'
+    columns and share the residual rows, each adding its adapters' deltas, normalizing
+    and rounding its part of them: 240 rows with adapters give the model's forward's
+    logits (fp32), and the same bits on one thread as on two (fp32 and bf16)."""
+    n = 240
+    plain = lora_runner(tiny_llama, lora_adapters, quantization="none", fused_decode_max_batch=0)
+    for dtype in ("float32", "bfloat16"):
+        runner = lora_runner(
+            tiny_llama, lora_adapters, quantization="none", dtype=dtype, fused_decode_max_batch=n
+        )
+        two = many_rows(runner, n, 2)
+        assert torch.equal(two, many_rows(runner, n, 1))
+        if dtype == "float32":
+            assert (two - many_rows(plain, n)).abs().max().item() < 1e-4
