@@ -49,7 +49,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0  # 0 = from the model's config
     vocab_size: int = 0  # 0 = from the model's config (resolve_config fills it)
     num_threads: int = 0  # torch threads in the worker; 0 = all cores
-    # CPU: steps of up to this many rows in one native call (-1: 320 on AMX tiles, else 32)
+    # CPU: steps of up to this many rows in one native call (-1: 640 on AMX tiles, else 32)
     fused_decode_max_batch: int = -1
     served_model_name: str = ""
     seed: int = 0

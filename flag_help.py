@@ -34,7 +34,7 @@ FLAG_HELP: dict[str, str] = {
     "max_model_len": "context length (0: the model's)",
     "vocab_size": "vocabulary size (0: the model's; filled at start)",
     "num_threads": "torch threads in the worker (0: every core it may use)",
-    "fused_decode_max_batch": "CPU: steps of up to this many rows (decodes; prompts or cached-prefix extensions of up to 16 tokens a sequence, 320 on AMX tiles, a row each) as one native call (-1: 320 where a bf16 model runs on AMX tiles, else 32; 0: off)",
+    "fused_decode_max_batch": "CPU: steps of up to this many rows (decodes; prompts or cached-prefix extensions of up to 16 tokens a sequence, 512 on AMX tiles, a row each) as one native call (-1: 640 where a bf16 model runs on AMX tiles, else 32; 0: off)",
     "served_model_name": "the model's name in the API (empty: the folder or file name)",
     "seed": "the worker's random seed",
     "disable_cuda_graph": "CUDA: run decode steps eagerly instead of replaying graphs",

@@ -198,9 +198,11 @@ class FusedDecoder:
     # 60.1, 64 tokens 64.1 against 71.5, 96 tokens 95.5 against 104.1. Later kernels moved
     # the tiles' end (2-core Xeon, 2026-12-05): over 1,104 cached tokens 192 tokens 54.5
     # against 67.3 ms, 256 69.9 against 78.6, 320 95.3 against 99.1; fresh prompts of 192
-    # / 256 / 320 tokens 40.2 / 52.8 / 67.9 against 49.1 / 59.8 / 75.2, level at 352-384,
-    # 1.4x slower at 448.
-    MAX_NEW: ClassVar[int] = 320  # rows of one sequence on tiles
+    # / 256 / 320 tokens 40.2 / 52.8 / 67.9 against 49.1 / 59.8 / 75.2; once the team
+    # shared the residual rows of such steps (cpu_step.c), 384 / 448 / 512 tokens 66.4 /
+    # 78.8 / 82.5 against 82.3 / 88.5 / 99.5, 512 over 512 / 1,024 cached 111.9 / 143.1
+    # against 123.8 / 148.0: up to the AMX platform's prefill budget a step.
+    MAX_NEW: ClassVar[int] = 512  # rows of one sequence on tiles
     MAX_NEW_DOTS: ClassVar[int] = 32  # on AVX512-BF16's dot products
     MAX_NEW_DOTS_Q4: ClassVar[int] = 64  # there, over Q4_1 layers
     MAX_NEW_ROWWISE: ClassVar[int] = 16
@@ -212,8 +214,11 @@ class FusedDecoder:
     # sequences 0.75 / 0.83x); elsewhere the fp32 tiles' cost grows with every row, and 32.
     # On tiles (2026-12-05): 160 decodes 78.4 against 88.6 ms, 256 level; a prompt of
     # 192 / 200 / 240 / 256 / 300 tokens beside 64 / 32 / 8 / 64 / 8 decodes 84.1 / 66.0 /
-    # 59.2 / 99.9 / 75.3 against 95.0 / 75.5 / 64.4 / 109.6 / 80.5.
-    MAX_BATCH_TILES: ClassVar[int] = 320
+    # 59.2 / 99.9 / 75.3 against 95.0 / 75.5 / 64.4 / 109.6 / 80.5; with the residual
+    # rows shared, 360 decodes 231.0 against 258.3, two prompts of 250 / 240 beside 8 / 32
+    # decodes 87.4 / 106.2 against 102.4 / 115.0, 512 tokens beside 128 decodes 184.0
+    # against 205.5: the prefill budget beside as many decodes as a step has at c=128.
+    MAX_BATCH_TILES: ClassVar[int] = 640
     MAX_BATCH_DOTS_Q4: ClassVar[int] = 64
     MAX_BATCH: ClassVar[int] = 32
 

@@ -245,8 +245,8 @@ def test_which_steps_it_takes(tiny_llama: Path) -> None:
 def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """Where a bf16 model's step runs on AMX tiles, the default takes steps of up to 320
-    rows and a sequence's 320 new tokens (the linears' tiles sum over whole weights
+    """Where a bf16 model's step runs on AMX tiles, the default takes steps of up to 640
+    rows and a sequence's 512 new tokens (the linears' tiles sum over whole weights
     rounded to bf16 from 41 rows), and a 200-token extension beside a decode lands no
     farther from the fp32 model's logits than the bf16 forward does (this random model
     amplifies bf16's rounding: both land up to ~10% of the scale away); its rows attend in a
@@ -261,7 +261,7 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
         q4 = fused.max_new == FusedDecoder.MAX_NEW_DOTS_Q4  # Q4_1 layers on the dot products
         assert fused.max_batch == (FusedDecoder.MAX_BATCH_DOTS_Q4 if q4 else FusedDecoder.MAX_BATCH)
         pytest.skip("no AMX tiles here (or the OS refused their state)")
-    assert fused.max_batch == FusedDecoder.MAX_BATCH_TILES == FusedDecoder.MAX_NEW == 320
+    assert fused.max_batch == FusedDecoder.MAX_BATCH_TILES == 640 and fused.max_new == 512
     plain = make_runner(path, dtype="bfloat16", fused_decode_max_batch=0, **opts)
     exact = make_runner(path, dtype="float32", fused_decode_max_batch=0, **opts)
     alone = make_runner(path, dtype="bfloat16", **opts)
@@ -271,8 +271,8 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     for r in (runner, plain, exact, alone):  # the prompts (each runner its own way)
         r.run([SeqSpec(LONG[1][:200], 0, a), SeqSpec(PROMPTS[0], 0, b)])
     step = [SeqSpec(LONG[1][200:400], 200, a), SeqSpec([7], len(PROMPTS[0]), b)]  # 201 rows
-    assert fused.accepts(step) and fused.accepts([SeqSpec(LONG[1][:320], 0, a)])
-    assert not fused.accepts([SeqSpec(LONG[1][:321], 0, a)])
+    assert fused.accepts(step) and fused.accepts([SeqSpec(LONG[1][:512], 0, a)])
+    assert not fused.accepts([SeqSpec(LONG[1][:513], 0, a)])
     got, forward, want = runner.run(step), plain.run(step), exact.run(step)
     assert torch.equal(got, alone.run(step))
     err, bound = (got - want).abs().max().item(), (forward - want).abs().max().item()
