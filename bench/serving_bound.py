@@ -56,22 +56,24 @@ class ModelCost:
         info = load_model_info(path)
         f = GGUFFile(path)
         active = info.num_experts_per_tok / info.num_experts if info.num_experts else 1.0
+
+        def stored(t: Any) -> int:  # a tensor's bytes in its GGUF blocks
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.qtype)]
+            return math.prod(t.shape) // block * size
+
         params = nbytes = head = 0
         for name, t in f.tensors.items():
             if len(t.shape) < 2 or not (name.startswith("blk.") or name == "output.weight"):
                 continue
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.qtype)]
             share = active if len(t.shape) == 3 else 1.0  # [experts, rows, cols]
-            stored = math.prod(t.shape) // block * size
             if name == "output.weight":
-                head, nbytes = math.prod(t.shape), nbytes + stored
+                head, nbytes = math.prod(t.shape), nbytes + stored(t)
             else:
                 params += int(math.prod(t.shape) * share)
-                nbytes += int(stored * share)
+                nbytes += int(stored(t) * share)
         if not head:  # tied: the head is the embedding matrix
             t = f.tensors["token_embd.weight"]
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.qtype)]
-            head, nbytes = math.prod(t.shape), nbytes + math.prod(t.shape) // block * size
+            head, nbytes = math.prod(t.shape), nbytes + stored(t)
         L = info.num_layers
         return cls(
             linear_params=params,

@@ -475,8 +475,8 @@ static void lin_claim(const lin_t *L, const float *x, const uint16_t *xb, int64_
     claims_end();
 }
 
-/* Columns [0, n) of L for all B rows of x (xb: its bf16 copy, or NULL): claimed from
-   *next, or without next thread t's fixed part */
+/* Columns [0, n) of L for all B rows of x: claimed from *next (xb: x's bf16 copy, or
+   NULL), or without next thread t's fixed part (one call, which rounds x itself) */
 static void lin_team(const lin_t *L, const float *x, const uint16_t *xb, int64_t B, int64_t K,
                      int64_t n, float *y, int64_t ys, _Atomic int64_t *next, int t, int nt) {
     if (next) {
@@ -485,9 +485,7 @@ static void lin_team(const lin_t *L, const float *x, const uint16_t *xb, int64_t
     }
     int64_t c0, c1;
     lin_part(n, t, nt, &c0, &c1);
-    if (xb) claims_begin(x, xb, B, K);
     lin_cols(L, x, B, K, c0, c1, y, ys);
-    if (xb) claims_end();
 }
 
 /*
@@ -712,18 +710,18 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 norm_share(rr, L->post_norm, xx, rows_xb, r0, r1, Hd, eps);
                 if (split) team_wait(&team, nt, &phase);
                 if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xx, Hd, 0, B, u_gu, R);
-                if (cl || rows_xb) claims_begin(xx, rows_xb, B, Hd);
                 if (cl) { /* chunks of at most SILU_CHUNK: tg and tu hold one */
                     const int64_t chunk = claim_cols(I, nt, SILU_CHUNK);
+                    claims_begin(xx, rows_xb, B, Hd);
                     for (int64_t a, z; claim_next(cl + 2, chunk, I, &a, &z);)
                         gate_up_silu(&L->gate_up, xx, B, Hd, I, a, z, tg, tu, act, rows_act, ll,
                                      row_slots, u_gu, R);
+                    claims_end();
                 } else {
                     lin_part(I, t, nt, &c0, &c1);
-                    gate_up_silu(&L->gate_up, xx, B, Hd, I, c0, c1, tg, tu, act, rows_act, ll,
+                    gate_up_silu(&L->gate_up, xx, B, Hd, I, c0, c1, tg, tu, act, NULL, ll,
                                  row_slots, u_gu, R);
                 }
-                if (cl || rows_xb) claims_end();
                 team_wait(&team, nt, &phase);
                 lin_team(&L->down, act, rows_act, B, I, Hd, lin_out, Hd, cl ? cl + 3 : NULL, t, nt);
                 share(B, t, nt, &lo, &hi);
