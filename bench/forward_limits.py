@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from actorlm.gpu.kernels.qgemm import AMX_TILES_MIN_ROWS
 from actorlm.gpu.model_info import ModelInfo
 from actorlm.gpu.onednn import OneDNNLinear
 from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, native_lin
@@ -60,9 +61,14 @@ def _dense_bytes(m: nn.Module) -> int:
 def decode_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     """Bytes one decode step of ``batch`` sequences over ``context`` cached tokens reads:
     every weight once, as the step's path keeps it, and each sequence's K and V."""
-    small = runner.fused is not None and batch <= runner.fused.max_batch
-    total = 0
+    fused = runner.fused
+    small = fused is not None and batch <= fused.max_batch
+    # from amx.h's AMX_DQ_MIN_ROWS rows the step's layers read their AMX tiles instead
+    tiles = fused.step.tiles if fused is not None and small and batch >= AMX_TILES_MIN_ROWS else []
+    total = sum(t.nbytes for t in tiles)
     for m in _linears(runner.model):
+        if tiles and _shape(m)[0] != runner.info.vocab_size:
+            continue
         if small or (isinstance(m, GGUFLinear) and batch <= m.max_rows(runner.dtype)):
             lin = native_lin(m)
             assert lin is not None

@@ -219,6 +219,13 @@ class FusedDecoder:
     # decodes 87.4 / 106.2 against 102.4 / 115.0, 512 tokens beside 128 decodes 184.0
     # against 205.5: the prefill budget beside as many decodes as a step has at c=128.
     MAX_BATCH_TILES: ClassVar[int] = 640
+    # A bf16 model's layers keep their weights as AMX's tiles too (2 bytes a weight; the
+    # default model's 30 layers 202 MiB), so that steps of 41 rows or more load them as
+    # they lie rather than expanding GGUF blocks or transposing bf16 rows every step, and
+    # block them for L1 and L2 as a GEMM does (kernels/amx.h): with the SiLU epilogue
+    # and the bf16 rows that come with them (cpu_step.c), a 512-token prompt ~86 -> ~74
+    # ms (alternated three times), 64 decodes ~1.1x (2-core AMX Xeon, 2026-12-05)
+    AMX_TILES: ClassVar[bool] = True
     MAX_BATCH_DOTS_Q4: ClassVar[int] = 64
     MAX_BATCH: ClassVar[int] = 32
 
@@ -277,10 +284,15 @@ class FusedDecoder:
             return None, "this model's layers or linear method"
         if why := weights.check():
             return None, why
-        step = DecodeStep(weights, pool.kv, pool.page_size, scale, level)
+        step = DecodeStep(weights, pool.kv, pool.page_size, scale, level, cls.AMX_TILES)
         from .kernels import native
 
         return cls(model, step, pool.page_size, max_batch, level or native.best_isa().name), ""
+
+    def tiles_words(self) -> str:
+        """The memory its layers' AMX tiles take, for the start-up log ("" without)."""
+        mib = sum(t.nbytes for t in self.step.tiles) / 2**20
+        return f", its weights also as AMX tiles ({mib:.0f} MiB)" if mib else ""
 
     def weight_ptrs(self) -> set[int]:
         """Where the step's weights live (``data_ptr``): tensors it reads in their plain

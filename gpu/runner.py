@@ -162,7 +162,7 @@ class ModelRunner:
             cfg.dtype,
             _isa_words(platform),
             f"decodes and short extensions in steps of <= {self.fused.max_batch} rows as one "
-            "native call"
+            f"native call{self.fused.tiles_words()}"
             if self.fused
             else f"decode through the model ({why})",
         )

@@ -23,7 +23,10 @@
  * tiles sum over all of K and a group's sums are stored once. A dense bf16 weight takes
  * the same kernel from AMX_DENSE_EXPAND_MIN_ROWS rows, its rows' bf16 pairs transposed
  * into the B tiles (dense_expand); fewer rows load its rows as A tiles as they lie
- * (amx_dense_cols), with no transpose.
+ * (amx_dense_cols), with no transpose. Where the weight was written as those B tiles
+ * once (lin_t's `tiles`: cpu_qgemm.c's actorlm_amx_tiles, the fused step's layers),
+ * amx_tiles_cols loads them as they lie instead, its loops blocked for L1 and L2, and
+ * amx_silu_cols meets a gate/up pair in the tiles' epilogue as SiLU-and-multiply.
  *
  * Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM,
  * once a process); where it refuses, amx_blocks_cols returns -1 and the caller takes
@@ -198,6 +201,181 @@ static int amx_round_once(const float *x, int64_t M, int64_t K) {
 
 static inline void amx_round_forget(void) { amx_xr_src = NULL; }
 
+/* C tiles 0-3 (rows 16 t0 .., groups g and g + 1 where `two`, the second tile of rows
+   where `rows2`) into y: whole tiles straight, a part tile (the last rows or columns)
+   through cb */
+static inline void amx_store_pair(int64_t g, int64_t t0, int two, int rows2, int64_t M,
+                                  int64_t N, float *y, int64_t ys, float *cb) {
+    const int64_t n0 = g * GROUP, r0 = t0 * 16;
+    if (two && rows2 && r0 + 32 <= M && n0 + 2 * GROUP <= N) {
+        float *y0 = y + r0 * ys + n0;
+        _tile_stored(0, y0, ys * 4);
+        _tile_stored(1, y0 + 16 * ys, ys * 4);
+        _tile_stored(2, y0 + GROUP, ys * 4);
+        _tile_stored(3, y0 + 16 * ys + GROUP, ys * 4);
+        return;
+    }
+    _tile_stored(0, cb, 64);
+    _tile_stored(1, cb + 256, 64);
+    _tile_stored(2, cb + 512, 64);
+    _tile_stored(3, cb + 768, 64);
+    for (int64_t i = 0; i < 1 + two; i++) {
+        const int64_t n0 = (g + i) * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
+        for (int64_t r = r0; r < M && r < r0 + 32; r++) {
+            const float *c = cb + i * 512 + (r - r0) * GROUP;
+            for (int64_t n = 0; n < w; n++) y[r * ys + n0 + n] = c[n];
+        }
+    }
+}
+
+/* amx_tiles_cols' SiLU epilogue: the pair of a step is gate group g and up group
+   g + up (the same columns of act), and the pair's sums meet as act = silu(gate) * up
+   in registers, written to act (fp32, where given) and act_b (bf16), rows `lda` apart:
+   no [rows, columns] gate and up go through memory and back. */
+typedef struct {
+    int64_t up;      /* groups from a gate group to its up group (intermediate / 16) */
+    float *act;      /* [M, lda] fp32, or NULL */
+    uint16_t *act_b; /* [M, lda] bf16 */
+    int64_t lda;
+} amx_silu_t;
+
+/* amx_expanded_cols over L->tiles (the weight written as B tiles once): nothing to
+ * expand, so the loops block for the caches as a GEMM does:
+ *   rows    in blocks whose A tiles fit AMX_ROW_BLOCK_BYTES (L2), each block against
+ *           every pair of groups of the call (a claimed chunk, whose tiles stay in L2
+ *           across the blocks);
+ *   k       a pair's blocks in slices of at most AMX_B_SLICE_BYTES of B tiles (L1),
+ *           each slice against every row of the block, the sums parked in `part`
+ *           between slices: B from L1 and A from L2, where a whole pair's B (36 KiB
+ *           at K = 576) and a row pair's A evicted each other and both came from L2
+ *           (3072 x 576 at 512 rows, B held in L1 ran 1.45x);
+ *   memory  the first row block streams the tiles in, the next pair's prefetched into
+ *           L2 while a pair's products run.
+ * Groups [g0, g1) into y (rows ys apart), or with `silu` act's groups [g0, g1).
+ * part: amx_tiles_part(K) bytes. */
+#define AMX_ROW_BLOCK_BYTES (512 << 10)
+#define AMX_B_SLICE_BYTES (20 << 10)
+
+static inline int64_t amx_row_block(int64_t K) {
+    const int64_t rb = AMX_ROW_BLOCK_BYTES / (16 * K * 2) / 2 * 2;
+    return rb < 2 ? 2 : rb;
+}
+
+static inline size_t amx_tiles_part(int64_t K) { return (size_t)amx_row_block(K) / 2 * 4096; }
+
+/* The scratch a call over tiles takes for M rows of K: the rows rounded (where the
+   caller gave none), the parked sums, a pair of C tiles */
+static inline size_t amx_tiles_bytes(int64_t M, int64_t K) {
+    return ((size_t)((M + 15) / 16 * 16 * K) * 2 + 63) / 64 * 64 + amx_tiles_part(K) + 4 * 1024;
+}
+
+/* L2 prefetches of the lines [p, end), `per` a call */
+static inline void amx_prefetch_some(const char **p, const char *end, int64_t per) {
+    for (int64_t l = 0; l < per && *p < end; l++, *p += 64) _mm_prefetch(*p, _MM_HINT_T1);
+}
+
+/* C tiles 0-3 (rows 16 t0 .. 16 t0 + 31 of gate, then of up, 16 columns from group g)
+   as silu(gate) * up into act and act_b */
+static inline void amx_silu_store(const amx_silu_t *sl, int64_t g, int64_t t0, int64_t M,
+                                  float *cb) {
+    _tile_stored(0, cb, 64);
+    _tile_stored(1, cb + 256, 64);
+    _tile_stored(2, cb + 512, 64);
+    _tile_stored(3, cb + 768, 64);
+    const int64_t n0 = g * GROUP;
+    for (int64_t r = 0; r < 32 && t0 * 16 + r < M; r++) {
+        const int64_t row = t0 * 16 + r;
+        const vf v = siluv(*(const vf *)(cb + r * 16)) * *(const vf *)(cb + 512 + r * 16);
+        if (sl->act) *(vf *)(sl->act + row * sl->lda + n0) = v;
+        store_bf16(sl->act_b + row * sl->lda + n0, v);
+    }
+}
+
+static void amx_tiles_cols(const lin_t *L, const uint16_t *xb, int64_t M, int64_t g0,
+                           int64_t g1, float *y, int64_t ys, float *cb, float *part,
+                           const amx_silu_t *silu) {
+    const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16, xstride = K * 2;
+    const __m512i *tiles = (const __m512i *)L->tiles; /* [groups][nb][16 vectors] */
+    const int64_t rb = amx_row_block(K), step = silu ? 1 : 2, up = silu ? silu->up : 1;
+    const int64_t slices = (nb * 2048 + AMX_B_SLICE_BYTES - 1) / AMX_B_SLICE_BYTES;
+    const int64_t kc = (nb + slices - 1) / slices;
+    for (int64_t i = 0; i < 2 && g0 + i * up < (silu ? g1 + up : g1); i++) /* the first pair's */
+        for (const char *p = (const char *)(tiles + (g0 + i * up) * nb * 16), *e = p + nb * 1024;
+             p < e; p += 64)
+            _mm_prefetch(p, _MM_HINT_T1);
+    amx_configure_tiles(8); /* 0-3: C, 4 and 6: rows of x, 5 and 7: weights */
+    for (int64_t tb = 0; tb < T; tb += rb) {
+        const int64_t te = tb + rb < T ? tb + rb : T;
+        for (int64_t g = g0; g < g1; g += step) {
+            const int two = silu || g + 1 < g1;
+            const __m512i *w0 = tiles + g * nb * 16, *w1 = tiles + (g + up) * nb * 16;
+            /* the next pair's tiles, a few lines a block of the first row block */
+            const int64_t gn = g + step, nn = tb || gn >= g1 ? 0 : silu || gn + 1 < g1 ? 2 : 1;
+            const char *pa = nn ? (const char *)(tiles + gn * nb * 16) : NULL;
+            const char *pb = nn == 2 ? (const char *)(tiles + (gn + up) * nb * 16) : NULL;
+            const char *ea = pa ? pa + nb * 1024 : NULL, *eb = pb ? pb + nb * 1024 : NULL;
+            const int64_t steps = (te - tb + 1) / 2 * nb;
+            const int64_t per = (nn * nb * 16 + steps - 1) / steps;
+            for (int64_t k0 = 0; k0 < nb; k0 += kc) {
+                const int64_t k1 = k0 + kc < nb ? k0 + kc : nb;
+                for (int64_t t0 = tb; t0 < te; t0 += 2) {
+                    const int rows2 = t0 + 1 < T;
+                    float *pp = part + (t0 - tb) / 2 * 1024;
+                    if (k0 == 0) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, pp, 64);
+                        _tile_loadd(1, pp + 256, 64);
+                        _tile_loadd(2, pp + 512, 64);
+                        _tile_loadd(3, pp + 768, 64);
+                    }
+                    const uint16_t *xa = xb + t0 * 16 * K;
+                    for (int64_t b = k0; b < k1; b++) {
+                        AMX_LOADD(5, w0 + b * 16, 64);
+                        AMX_LOADD(4, xa + b * QK, xstride);
+                        _tile_dpbf16ps(0, 4, 5);
+                        if (rows2) {
+                            AMX_LOADD(6, xa + 16 * K + b * QK, xstride);
+                            _tile_dpbf16ps(1, 6, 5);
+                        }
+                        if (two) {
+                            AMX_LOADD(7, w1 + b * 16, 64);
+                            _tile_dpbf16ps(2, 4, 7);
+                            if (rows2) _tile_dpbf16ps(3, 6, 7);
+                        }
+                        amx_prefetch_some(&pa, ea, per);
+                        amx_prefetch_some(&pb, eb, per);
+                    }
+                    if (k1 < nb) {
+                        _tile_stored(0, pp, 64);
+                        _tile_stored(1, pp + 256, 64);
+                        _tile_stored(2, pp + 512, 64);
+                        _tile_stored(3, pp + 768, 64);
+                    } else if (silu) {
+                        amx_silu_store(silu, g, t0, M, cb);
+                    } else {
+                        amx_store_pair(g, t0, two, rows2, M, N, y, ys, cb);
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* x's M rows in bf16, padded with zero rows to whole tiles: the caller's copy where it
+   made one for these rows (amx_round_given / amx_round_once), else rounded into buf */
+static const uint16_t *amx_rows_bf16(const float *x, int64_t M, int64_t xs, int64_t K,
+                                     uint16_t *buf) {
+    if (x == amx_xr_src && M == amx_xr_rows && K == amx_xr_k && xs == K) return amx_xr_copy;
+    dp_round_rows(x, M, xs, K, buf, NULL);
+    memset(buf + M * K, 0, (size_t)(((M + 15) / 16 * 16 - M) * K) * 2);
+    return buf;
+}
+
 /* Groups [g0, g1) of a block weight (or a dense bf16 one) against all M rows of x with
    each weight rounded to bf16 first: the tiles then sum over all of K (a block's scale
    is in its weights), so a group's C tiles are stored once, not once a block. Two groups
@@ -212,18 +390,18 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
     if (!amx_ready()) return -1;
     const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
-    char *buf = dp_buffer(xb_bytes + (size_t)nb * 4096 + 4 * 1024);
+    /* the expansion's two pairs of B tiles, or amx_tiles_cols' parked sums */
+    const size_t wbs_bytes = L->tiles ? amx_tiles_part(K) : (size_t)nb * 4096;
+    char *buf = dp_buffer(xb_bytes + wbs_bytes + 4 * 1024);
     if (buf == NULL) return -1;
-    const uint16_t *xb = (const uint16_t *)buf;
+    const uint16_t *xb = amx_rows_bf16(x, M, xs, K, (uint16_t *)buf);
     /* two groups' B tiles, a block each, twice: the next pair's are expanded while the
        tiles work on this pair's first rows */
     __m512i *wbs = (__m512i *)(buf + xb_bytes);
-    float *cb = (float *)(buf + xb_bytes + (size_t)nb * 4096);
-    if (x == amx_xr_src && M == amx_xr_rows && K == amx_xr_k && xs == K) {
-        xb = amx_xr_copy; /* rounded once by the caller */
-    } else {
-        dp_round_rows(x, M, xs, K, (uint16_t *)buf, NULL);
-        memset((uint16_t *)buf + M * K, 0, (size_t)((T * 16 - M) * K) * 2);
+    float *cb = (float *)(buf + xb_bytes + wbs_bytes);
+    if (L->tiles) {
+        amx_tiles_cols(L, xb, M, g0, g1, y, ys, cb, (float *)wbs, NULL);
+        return 0;
     }
     const int64_t xstride = K * 2;
     for (int64_t i = 0; i < 2 && g0 + i < g1; i++)
@@ -259,31 +437,28 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
                     for (int64_t i = 0; i < next; i++)
                         amx_expand(L, g + 2 + i, b, wn + (i * nb + b) * 16);
             }
-            /* whole tiles go straight to y; a part tile (the last rows or columns)
-               through cb */
-            const int64_t n0 = g * GROUP, r0 = t0 * 16;
-            if (two && rows2 && r0 + 32 <= M && n0 + 2 * GROUP <= N) {
-                float *y0 = y + r0 * ys + n0;
-                _tile_stored(0, y0, ys * 4);
-                _tile_stored(1, y0 + 16 * ys, ys * 4);
-                _tile_stored(2, y0 + GROUP, ys * 4);
-                _tile_stored(3, y0 + 16 * ys + GROUP, ys * 4);
-                continue;
-            }
-            _tile_stored(0, cb, 64);
-            _tile_stored(1, cb + 256, 64);
-            _tile_stored(2, cb + 512, 64);
-            _tile_stored(3, cb + 768, 64);
-            for (int64_t i = 0; i < 1 + two; i++) {
-                const int64_t n0 = (g + i) * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
-                for (int64_t r = t0 * 16; r < M && r < (t0 + 2) * 16; r++) {
-                    const float *c = cb + i * 512 + (r - t0 * 16) * GROUP;
-                    for (int64_t n = 0; n < w; n++) y[r * ys + n0 + n] = c[n];
-                }
-            }
+            amx_store_pair(g, t0, two, rows2, M, N, y, ys, cb);
         }
     }
     _tile_release();
+    return 0;
+}
+
+/* act[:, c0:c1] = silu(x W_gate^T) * (x W_up^T) (act_b: its bf16 copy; act NULL: that
+   alone) for a gate_up weight [gate | up] of `inter` rows each that has its tiles, c0
+   and c1 whole groups, all M rows of x (ldact: act's row stride). 0, or -1 (no tiles,
+   AMX or scratch: the caller computes gate and up as it would without). */
+static int amx_silu_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t inter,
+                         int64_t c0, int64_t c1, float *act, uint16_t *act_b, int64_t ldact) {
+    if (!L->tiles || inter % GROUP || c0 % GROUP || c1 % GROUP || !amx_ready()) return -1;
+    const int64_t K = L->k, T = (M + 15) / 16;
+    const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64, part = amx_tiles_part(K);
+    char *buf = dp_buffer(amx_tiles_bytes(M, K));
+    if (buf == NULL) return -1;
+    const uint16_t *xb = amx_rows_bf16(x, M, xs, K, (uint16_t *)buf);
+    const amx_silu_t sl = {inter / GROUP, act, act_b, ldact};
+    amx_tiles_cols(L, xb, M, c0 / GROUP, c1 / GROUP, NULL, 0, (float *)(buf + xb_bytes + part),
+                   (float *)(buf + xb_bytes), &sl);
     return 0;
 }
 

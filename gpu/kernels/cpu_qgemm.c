@@ -87,6 +87,23 @@ int actorlm_amx_ready(void) {
 #endif
 }
 
+/* L's weight rounded to bf16 as amx.h's B tiles, into out: [ceil(n / 16)][k / 32][16 x 16
+   dwords], block b of group g as amx_expand writes it (out 64-byte aligned). 0, or -1
+   where this build has no tiles or k is not whole blocks. */
+int actorlm_amx_tiles(const lin_t *L, uint32_t *out, int threads) {
+#if defined(__AMX_BF16__)
+    if (L->k % QK || (L->kind != LIN_BF16 && L->kind != LIN_Q4_1 && L->kind != LIN_Q8_0)) return -1;
+    const int64_t groups = (L->n + GROUP - 1) / GROUP, nb = L->k / QK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) amx_expand(L, g, b, (__m512i *)out + (g * nb + b) * 16);
+    return 0;
+#else
+    (void)L, (void)out, (void)threads;
+    return -1;
+#endif
+}
+
 /* 1 where this build quantizes the rows of linears with act_int8 to int8 (dpi8.h). */
 int actorlm_int8_ready(void) {
 #if defined(ACTORLM_INT8)

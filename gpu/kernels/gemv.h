@@ -47,6 +47,10 @@ typedef struct {
     const float *bias;  /* [n] fp32, or NULL */
     int64_t act_bf16;   /* x may be rounded to bf16 (a bf16 model; dpbf16.h) */
     int64_t act_int8;   /* blocks: x may be quantized to int8 (`gguf_a8`; dpi8.h) */
+    /* the weight rounded to bf16 as AMX's B tiles, written once (actorlm_amx_tiles), or
+       NULL: amx.h's amx_expanded_cols loads them as they lie instead of expanding the
+       blocks (or transposing the dense rows) at every call */
+    const uint32_t *tiles;
 } lin_t;
 
 #if defined(__AVX2__)

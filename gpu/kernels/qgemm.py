@@ -26,13 +26,16 @@ import numpy as np
 import torch
 
 from . import native
+from .arena import Arena
 
 __all__ = [
+    "AMX_TILES_MIN_ROWS",
     "BLOCK_KINDS",
     "QK",
     "Lin",
     "PackedWeight",
     "amx_ready",
+    "amx_tiles",
     "dequantize_blocks",
     "gemm",
     "int8_ready",
@@ -354,6 +357,7 @@ class Lin(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("act_bf16", ctypes.c_int64),  # x may round to bf16 (a bf16 model): dot products
         ("act_int8", ctypes.c_int64),  # blocks: x may be quantized to int8 (dpi8.h)
+        ("tiles", ctypes.c_void_p),  # the weight as AMX's bf16 B tiles (amx_tiles), or 0
     ]
 
     keep: tuple[torch.Tensor, ...] = ()
@@ -361,6 +365,8 @@ class Lin(ctypes.Structure):
 
 _DENSE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK_KINDS = {"q4_1": 3, "q8_0": 4}  # Lin.kind of each block format (gemv.h)
+_TILE_KINDS = (_DENSE_KINDS[torch.bfloat16], *BLOCK_KINDS.values())  # amx_tiles writes
+AMX_TILES_MIN_ROWS = 41  # bf16 rows from which a weight's tiles are read (amx.h's AMX_DQ_MIN_ROWS)
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -397,6 +403,8 @@ def native_qgemm(level: str = "") -> Any | None:
         fn = lib.actorlm_linear
         fn.argtypes = [ctypes.POINTER(Lin), _P, _I, _I, _I, _P, _I, _I, _T]
         fn.restype = ctypes.c_int
+        tiles = lib.actorlm_amx_tiles
+        tiles.argtypes, tiles.restype = [ctypes.POINTER(Lin), _P, _T], ctypes.c_int
     return lib
 
 
@@ -406,6 +414,25 @@ def amx_ready(level: str = "") -> bool:
     tiles: an amx build, on a CPU whose kernel grants the tile state."""
     lib = native_qgemm(level)
     return lib is not None and bool(lib.actorlm_amx_ready())
+
+
+def amx_tiles(lin: Lin, arena: Arena | None = None, level: str = "") -> torch.Tensor | None:
+    """``lin``'s weight rounded to bf16 as the AMX kernels' B tiles (a block weight's
+    values as ``q * d + m`` rounded once, as a bf16 model's dequantized copy holds them),
+    and ``lin.tiles`` set to them: steps of many bf16 rows then load the tiles as they
+    lie instead of expanding the weight at every call. None (``lin`` as it was) where
+    the build for ``level`` has no tiles or the weight is not whole 32-wide blocks. The
+    caller keeps the tensor alive as long as ``lin``; ``arena``, if given, holds it."""
+    lib = native_qgemm(level)
+    if lib is None or not amx_ready(level) or lin.k % QK or lin.kind not in _TILE_KINDS:
+        return None
+    groups = (lin.n + GROUP - 1) // GROUP
+    n = groups * GROUP * lin.k // 2
+    out = arena.empty(n, torch.int32) if arena is not None else torch.empty(n, dtype=torch.int32)
+    if lib.actorlm_amx_tiles(ctypes.byref(lin), out.data_ptr(), torch.get_num_threads()) != 0:
+        return None
+    lin.tiles = out.data_ptr()
+    return out
 
 
 @cache

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from . import native
+from .arena import Arena
 from .lora import LoraDesc
-from .qgemm import Lin
+from .qgemm import Lin, amx_ready, amx_tiles
 
 __all__ = ["Cascade", "DecodeStep", "LayerWeights", "StepWeights", "native_step"]
 
@@ -229,9 +230,17 @@ class DecodeStep:
     """One model over one KV pool, built once; ``__call__`` runs a decode step."""
 
     def __init__(
-        self, weights: StepWeights, kv: torch.Tensor, page_size: int, scale: float, level: str = ""
+        self,
+        weights: StepWeights,
+        kv: torch.Tensor,
+        page_size: int,
+        scale: float,
+        level: str = "",
+        tiles: bool = True,
     ) -> None:
-        """``kv`` is the pool's tensor [layers, 2, kv_heads, pages, page_size, head_dim]."""
+        """``kv`` is the pool's tensor [layers, 2, kv_heads, pages, page_size, head_dim].
+        ``tiles``: a bf16 model's layers keep their weights as AMX's tiles too, where the
+        build for ``level`` runs them (``qgemm.amx_tiles``: 2 bytes a weight)."""
         lib = native_step(level)
         if lib is None:
             raise RuntimeError("the decode-step kernel cannot be built here")
@@ -249,10 +258,21 @@ class DecodeStep:
         # a bf16 model's linears may round their inputs to bf16, as its forward does:
         # at larger batches they then take the CPU's bf16 dot products (gemv.h)
         bf16 = weights.embed.dtype == torch.bfloat16
+        # and on AMX their weights rounded to bf16 once, as the tiles load them: steps of
+        # many rows (prompts) then expand nothing (kernels/amx.h)
+        arena = Arena() if bf16 and tiles and amx_ready(level) else None
+        self.tiles: list[torch.Tensor] = []
+
+        def lin(w: Lin) -> Lin:
+            out = _lin(w, bf16)
+            if arena is not None and (t := amx_tiles(out, arena, level)) is not None:
+                self.tiles.append(t)
+            return out
+
         layers = (_Layer * len(weights.layers))(
             *(
                 _Layer(
-                    *(_lin(w, bf16) for w in (x.qkv, x.o, x.gate_up, x.down)),
+                    *(lin(w) for w in (x.qkv, x.o, x.gate_up, x.down)),
                     a.data_ptr(),
                     b.data_ptr(),
                 )

@@ -16,9 +16,11 @@ from actorlm.gpu.gguf_file import GGUFFile
 from actorlm.gpu.kernels import native
 from actorlm.gpu.kernels.qgemm import (
     QK,
+    Lin,
     PackedWeight,
     _pack_lib,
     amx_ready,
+    amx_tiles,
     dequantize_blocks,
     gemm,
     lin_blocks,
@@ -315,6 +317,36 @@ def _block_model(src: Path, out: Path) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
+# a last group of 8; 48 blocks deep (the tiles' slices of k)
+@pytest.mark.parametrize("shape", [(72, 128), (80, 1536)])
+@pytest.mark.parametrize("rows", [41, 300])
+def test_tiles_written_once_give_the_expanded_weights_bits(
+    kind: str, shape: tuple[int, int], rows: int
+) -> None:
+    """A weight's AMX tiles written once (``amx_tiles``) give, from 41 bf16 rows, what
+    expanding its blocks (or transposing its bf16 rows) at every call gives, to the bit:
+    the same products summed in the same order, however the tiles' loops block the rows
+    (a part tile of 12 rows at 300) and k."""
+    if not amx_ready():
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    if kind == "bf16":
+        plain = lin_dense(torch.randn(shape, generator=torch.Generator().manual_seed(1)).bfloat16())
+    else:
+        packed = pack(blocks(shape, kind, seed=rows))
+        assert packed is not None
+        plain = lin_blocks(packed)
+    assert plain is not None
+    plain.act_bf16 = 1
+    tiled = Lin.from_buffer_copy(plain)
+    keep = amx_tiles(tiled)
+    assert keep is not None and tiled.tiles and not plain.tiles
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got, want = linear(x, tiled), linear(x, plain)
+    assert got is not None and want is not None and torch.equal(got, want)
+    assert amx_tiles(lin_dense(torch.randn(shape))) is None  # fp32 rows: no tiles
 
 
 def test_gguf_method_matches_transformers_on_block_weights(

@@ -284,6 +284,43 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     assert torch.equal(runner.run(fresh), alone.run(fresh))
 
 
+@pytest.mark.parametrize("weights", ["dense", "blocks"])
+def test_steps_on_the_weights_as_tiles_give_the_expanded_weights_bits(
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    weights: str,
+) -> None:
+    """On AMX a bf16 model's step keeps its layers' weights as tiles written once
+    (``FusedDecoder.AMX_TILES``): steps of 41 rows and more load them as they lie, gate
+    and up meet in the tiles' SiLU epilogue, and the o projection reads the attention's
+    own bf16 rows, and give the logits of a step that expands the weights every call,
+    to the bit: the same products summed in the same order."""
+    path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
+    opts = {"quantization": "none"}
+    if weights == "blocks":
+        path, opts = _block_model(path, tmp_path / "blocks"), {"quantization": "gguf"}
+    tiled = make_runner(path, dtype="bfloat16", **opts)
+    if tiled.fused is None or not tiled.fused.step.tiles:
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    monkeypatch.setattr(FusedDecoder, "AMX_TILES", False)
+    expanded = make_runner(path, dtype="bfloat16", **opts)
+    assert expanded.fused is not None and not expanded.fused.step.tiles
+    layers = len(tiled.fused.step.weights.layers)
+    assert len(tiled.fused.step.tiles) == 4 * layers  # qkv, o, gate_up, down; not the head
+    for r in (tiled, expanded):
+        r.fused.threads.options = lambda: [2]  # type: ignore[union-attr,method-assign]
+    a, b = list(range(0, 30)), list(range(30, 50))
+    steps = [
+        [SeqSpec(LONG[1][:300], 0, a), SeqSpec(PROMPTS[0], 0, b)],  # 341 rows: claims
+        [SeqSpec(LONG[1][300:348], 300, a), SeqSpec([7], len(PROMPTS[0]), b)],  # 49 rows
+        [SeqSpec(LONG[1][348:349], 348, a), SeqSpec([8], len(PROMPTS[0]) + 1, b)],  # decodes
+    ]
+    for i, step in enumerate(steps):
+        assert tiled.fused.accepts(step)
+        assert torch.equal(tiled.run(step), expanded.run(step)), i
+
+
 def test_models_it_cannot_describe_keep_their_forward(
     tiny_model_factory: Callable[..., Path],
 ) -> None:
