@@ -365,7 +365,8 @@ static int64_t part_row(int64_t n, int64_t start, int64_t part, int64_t parts) {
 /* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
    over a bf16 pool, on bf16 products as prompts run (flash.h): K and V are read once a
    block for all the rows, where attend_task reads them once a row. q16, o16: the
-   thread's scratch of n * G * D each. 0, or -1 (nothing written: no scratch). */
+   thread's scratch of n * G * D each; the outputs into attn (fp32, or NULL) and attn_b
+   (bf16, or NULL), rows H * D apart. 0, or -1 (nothing written: no scratch). */
 static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
                       const float *qkv, int64_t qkv_n, const int64_t *pages, int64_t start,
                       uint16_t *q16, uint16_t *o16, float *attn, uint16_t *attn_b) {
@@ -388,8 +389,8 @@ static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_
                 M->page_size, (float)M->scale, o16, GD, &sc, tiles);
     fa_tiles_off(tiles);
     for (int64_t t = 0; t < n; t++) {
-        float *o = attn + (r0 + t) * HD + h * GD;
-        for (int64_t j = 0; j < GD; j++) o[j] = bf16_f32(o16[t * GD + j]);
+        float *o = attn ? attn + (r0 + t) * HD + h * GD : NULL; /* NULL: bf16 alone */
+        for (int64_t j = 0; o && j < GD; j++) o[j] = bf16_f32(o16[t * GD + j]);
         if (attn_b) memcpy(attn_b + (r0 + t) * HD + h * GD, o16 + t * GD, (size_t)GD * 2);
     }
     return 0;
@@ -408,10 +409,7 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
 #if defined(__AMX_BF16__)
     /* gate and up meet in the tiles' epilogue (amx.h; with the fp32 rows unwritten, the
        default model's gate/up and SiLU of a 512-token prompt ~30 -> ~23 ms, 2-core AMX
-       Xeon). The
-       scratch the down projection's tiles take is had first: they then read act_b alone
-       (no fallback that reads the fp32 rows), or else act is written after all. */
-    if (!act_read && dp_buffer(amx_tiles_bytes(B, inter)) == NULL) act_read = 1;
+       Xeon) */
     if (!ll && act_b && L->act_bf16 && B >= AMX_DQ_MIN_ROWS &&
         amx_silu_cols(L, xn, B, hidden, inter, c0, c1, act_read ? act : NULL, act_b, inter) == 0)
         return;
@@ -614,6 +612,13 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + SG * D +
                                                      SG * max_len + 3 * SG * D + 2 * B * R +
                                                      B * G * D + 8));
+#if defined(__AMX_BF16__)
+        /* with the team's bf16 rows, the scratch of the linears over their tiles is had
+           here, once: they then read those rows alone (no fallback that reads the fp32
+           rows, which the steps below leave unwritten where every reader takes tiles) */
+        const int64_t widest = Hd > I ? (Hd > H * D ? Hd : H * D) : (I > H * D ? I : H * D);
+        if (rows_res && dp_buffer(amx_tiles_bytes(B, widest)) == NULL) res = (free(res), NULL);
+#endif
         if (res == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -694,6 +699,10 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 if (store_first) { /* every row's key is in the pool: now they attend */
                     team_wait(&team, nt, &phase);
 #if defined(__AVX512BF16__)
+                    /* the fp32 rows only where something reads them: the adapters,
+                       or an o projection without tiles (a 512-token prompt's attention
+                       ~14.9 -> ~12.6 ms, 2-core AMX Xeon) */
+                    float *attn_f = attn_b && !ll && L->o.tiles ? NULL : attn;
                     if (flash) { /* a task a (sequence, KV head, part of its rows): a
                                     sequence of FLASH_SPLIT_ROWS or more rows in nt parts
                                     (a row's sums do not depend on its tile's other rows);
@@ -718,7 +727,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                             const int64_t a = r0 + part_row(n, pos, part, parts);
                             const int64_t z = r0 + part_row(n, pos, part + 1, parts);
                             if (z - a >= FLASH_MIN_ROWS && !flash_rows(M, l, a, z - a, h, qkv, qkv_n, tb,
-                                                                       seq_lens[a] - 1, q16, o16, attn, attn_b))
+                                                                       seq_lens[a] - 1, q16, o16, attn_f, attn_b))
                                 continue;
                             for (int64_t b = a; b < z; b++) {
                                 float *o = attn + b * H * D + h * G * D;
