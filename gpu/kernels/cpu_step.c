@@ -364,28 +364,25 @@ static int64_t part_row(int64_t n, int64_t start, int64_t part, int64_t parts) {
 
 /* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
    over a bf16 pool, on bf16 products as prompts run (flash.h): K and V are read once a
-   block for all the rows, where attend_task reads them once a row. q16, o16: the
-   thread's scratch of n * G * D each; the outputs into attn (fp32, or NULL) and attn_b
+   block for all the rows, where attend_task reads them once a row (q rounded to bf16
+   as flash.h gathers it). o16: the thread's scratch of n * G * D; the outputs into attn (fp32, or NULL) and attn_b
    (bf16, or NULL), rows H * D apart. 0, or -1 (nothing written: no scratch). */
 static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
                       const float *qkv, int64_t qkv_n, const int64_t *pages, int64_t start,
-                      uint16_t *q16, uint16_t *o16, float *attn, uint16_t *attn_b) {
+                      uint16_t *o16, float *attn, uint16_t *attn_b) {
     const int64_t D = M->head_dim, G = M->heads / M->kv_heads;
     const int64_t GD = G * D, HD = M->heads * D;
     fa_scratch sc;
     char *buf = grow_buffer(&fa_buf, &fa_buf_bytes, fa_carve(NULL, G, D, &sc));
     if (buf == NULL) return -1;
     fa_carve(buf, G, D, &sc);
-    for (int64_t t = 0; t < n; t++) {
-        const float *q = qkv + (r0 + t) * qkv_n + h * GD;
-        for (int64_t j = 0; j < GD; j++) q16[t * GD + j] = f32_bf16(q[j]);
-    }
     const uint16_t *kh = (const uint16_t *)kv_head(M, l, 0, h);
     const uint16_t *vh = (const uint16_t *)kv_head(M, l, 1, h);
     const int tiles = fa_tiles(D);
     fa_tiles_on(tiles);
     for (int64_t t0 = 0; t0 < n; t0 += FA_QB)
-        fa_task(q16, GD, kh, vh, pages, start, t0, t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D,
+        fa_task(qkv + r0 * qkv_n + h * GD, 1, qkv_n, kh, vh, pages, start, t0,
+                t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D,
                 M->page_size, (float)M->scale, o16, GD, &sc, tiles);
     fa_tiles_off(tiles);
     for (int64_t t = 0; t < n; t++) {
@@ -611,7 +608,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         int64_t phase = 0;
         float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + SG * D +
                                                      SG * max_len + 3 * SG * D + 2 * B * R +
-                                                     B * G * D + 8));
+                                                     (B * G * D + 1) / 2 + 8));
 #if defined(__AMX_BF16__)
         /* with the team's bf16 rows, the scratch of the linears over their tiles is had
            here, once: they then read those rows alone (no fallback that reads the fp32
@@ -629,8 +626,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             float *acc = tu + B * SILU_CHUNK, *scores = acc + SG * D;
             float *cq = scores + SG * max_len, *co = cq + SG * D, *cml = co + SG * D;
             float *u_gu = cml + SG * D; /* this thread's gate and up shrinks */
-            uint16_t *q16 = (uint16_t *)(u_gu + 2 * B * R), *o16 = q16 + B * G * D;
-            (void)q16, (void)o16;
+            uint16_t *o16 = (uint16_t *)(u_gu + 2 * B * R);
+            (void)o16;
             /* the residual rows and their norms: the team's (rr, xx; this thread makes
                rows [r0, r1)) or this thread's own (all rows) */
             const int split = rows_res != NULL;
@@ -727,7 +724,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                             const int64_t a = r0 + part_row(n, pos, part, parts);
                             const int64_t z = r0 + part_row(n, pos, part + 1, parts);
                             if (z - a >= FLASH_MIN_ROWS && !flash_rows(M, l, a, z - a, h, qkv, qkv_n, tb,
-                                                                       seq_lens[a] - 1, q16, o16, attn_f, attn_b))
+                                                                       seq_lens[a] - 1, o16, attn_f, attn_b))
                                 continue;
                             for (int64_t b = a; b < z; b++) {
                                 float *o = attn + b * H * D + h * G * D;
