@@ -201,6 +201,27 @@ static int amx_round_once(const float *x, int64_t M, int64_t K) {
 
 static inline void amx_round_forget(void) { amx_xr_src = NULL; }
 
+/* One block's four products (tiles 0-3: C, 4 and 6: rows of x, 5 and 7: weights): the
+   16 rows at xa (and the 16 after, K apart, where `rows2`) by the B tile at w0 (and at
+   w1 where `two`) */
+static inline __attribute__((always_inline)) void amx_block_2x2(const uint16_t *xa, int64_t K,
+                                                              const __m512i *w0,
+                                                              const __m512i *w1, int rows2,
+                                                              int two) {
+    AMX_LOADD(5, w0, 64);
+    AMX_LOADD(4, xa, K * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    if (rows2) {
+        AMX_LOADD(6, xa + 16 * K, K * 2);
+        _tile_dpbf16ps(1, 6, 5);
+    }
+    if (two) {
+        AMX_LOADD(7, w1, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        if (rows2) _tile_dpbf16ps(3, 6, 7);
+    }
+}
+
 /* C tiles 0-3 (rows 16 t0 .., groups g and g + 1 where `two`, the second tile of rows
    where `rows2`) into y: whole tiles straight, a part tile (the last rows or columns)
    through cb */
@@ -294,7 +315,7 @@ static inline void amx_silu_store(const amx_silu_t *sl, int64_t g, int64_t t0, i
 static void amx_tiles_cols(const lin_t *L, const uint16_t *xb, int64_t M, int64_t g0,
                            int64_t g1, float *y, int64_t ys, float *cb, float *part,
                            const amx_silu_t *silu) {
-    const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16, xstride = K * 2;
+    const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const __m512i *tiles = (const __m512i *)L->tiles; /* [groups][nb][16 vectors] */
     const int64_t rb = amx_row_block(K), step = silu ? 1 : 2, up = silu ? silu->up : 1;
     const int64_t slices = (nb * 2048 + AMX_B_SLICE_BYTES - 1) / AMX_B_SLICE_BYTES;
@@ -334,18 +355,7 @@ static void amx_tiles_cols(const lin_t *L, const uint16_t *xb, int64_t M, int64_
                     }
                     const uint16_t *xa = xb + t0 * 16 * K;
                     for (int64_t b = k0; b < k1; b++) {
-                        AMX_LOADD(5, w0 + b * 16, 64);
-                        AMX_LOADD(4, xa + b * QK, xstride);
-                        _tile_dpbf16ps(0, 4, 5);
-                        if (rows2) {
-                            AMX_LOADD(6, xa + 16 * K + b * QK, xstride);
-                            _tile_dpbf16ps(1, 6, 5);
-                        }
-                        if (two) {
-                            AMX_LOADD(7, w1 + b * 16, 64);
-                            _tile_dpbf16ps(2, 4, 7);
-                            if (rows2) _tile_dpbf16ps(3, 6, 7);
-                        }
+                        amx_block_2x2(xa + b * QK, K, w0 + b * 16, w1 + b * 16, rows2, two);
                         amx_prefetch_some(&pa, ea, per);
                         amx_prefetch_some(&pb, eb, per);
                     }
@@ -403,7 +413,6 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
         amx_tiles_cols(L, xb, M, g0, g1, y, ys, cb, (float *)wbs, NULL);
         return 0;
     }
-    const int64_t xstride = K * 2;
     for (int64_t i = 0; i < 2 && g0 + i < g1; i++)
         for (int64_t b = 0; b < nb; b++) amx_expand(L, g0 + i, b, wbs + (i * nb + b) * 16);
     amx_configure_tiles(8); /* 0-3: C, 4 and 6: rows of x, 5 and 7: weights */
@@ -421,18 +430,7 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
             _tile_zero(3);
             const uint16_t *xa = xb + t0 * 16 * K;
             for (int64_t b = 0; b < nb; b++) {
-                AMX_LOADD(5, wb + b * 16, 64);
-                AMX_LOADD(4, xa + b * QK, xstride);
-                _tile_dpbf16ps(0, 4, 5);
-                if (rows2) {
-                    AMX_LOADD(6, xa + 16 * K + b * QK, xstride);
-                    _tile_dpbf16ps(1, 6, 5);
-                }
-                if (two) {
-                    AMX_LOADD(7, wb + (nb + b) * 16, 64);
-                    _tile_dpbf16ps(2, 4, 7);
-                    if (rows2) _tile_dpbf16ps(3, 6, 7);
-                }
+                amx_block_2x2(xa + b * QK, K, wb + b * 16, wb + (nb + b) * 16, rows2, two);
                 if (t0 == 0)
                     for (int64_t i = 0; i < next; i++)
                         amx_expand(L, g + 2 + i, b, wn + (i * nb + b) * 16);
