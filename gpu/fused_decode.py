@@ -220,7 +220,8 @@ class FusedDecoder:
     # against 205.5: the prefill budget beside as many decodes as a step has at c=128.
     MAX_BATCH_TILES: ClassVar[int] = 640
     # A bf16 model's layers keep their weights as AMX's tiles too (2 bytes a weight; the
-    # default model's 30 layers 202 MiB), so that steps of 41 rows or more load them as
+    # default model's 30 layers 202 MiB; left out where they would take over half the
+    # memory available, kernels/step.py), so that steps of 41 rows or more load them as
     # they lie rather than expanding GGUF blocks or transposing bf16 rows every step, and
     # block them for L1 and L2 as a GEMM does (kernels/amx.h): with the SiLU epilogue
     # and the bf16 rows that come with them (cpu_step.c), a 512-token prompt ~86 -> ~74

@@ -11,6 +11,7 @@ Python never runs for such a step, as a CUDA graph replays a captured decode on 
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -22,9 +23,11 @@ import torch
 from . import native
 from .arena import Arena
 from .lora import LoraDesc
-from .qgemm import Lin, amx_ready, amx_tiles
+from .qgemm import QK, Lin, amx_ready, amx_tiles
 
 __all__ = ["Cascade", "DecodeStep", "LayerWeights", "StepWeights", "native_step"]
+
+log = logging.getLogger(__name__)
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -140,6 +143,34 @@ def _lin(lin: Lin, act_bf16: bool) -> Lin:
     out = Lin.from_buffer_copy(lin)
     out.act_bf16 = int(act_bf16)
     return out
+
+
+def _memory_available() -> int | None:
+    """The memory the kernel says is available (``MemAvailable``), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _tiles_fit(lins: list[Lin]) -> bool:
+    """Whether the layers' AMX tiles (2 bytes a weight) take at most half the memory
+    left: a large model keeps its memory for the KV pool and prompts expand the weights
+    every step instead (as without tiles), said once in the log."""
+    need = sum(-(-w.n // 16) * 16 * w.k * 2 for w in lins if w.k % QK == 0)
+    avail = _memory_available()
+    if avail is None or need <= avail // 2:
+        return True
+    log.warning(
+        "the fused step's AMX tiles would take %d MiB of the %d MiB available: left out, "
+        "its prompts expand the weights every step",
+        need >> 20,
+        avail >> 20,
+    )
+    return False
 
 
 # Rows of a cascade chunk read their shared pages together: at most this many query rows
@@ -260,6 +291,9 @@ class DecodeStep:
         bf16 = weights.embed.dtype == torch.bfloat16
         # and on AMX their weights rounded to bf16 once, as the tiles load them: steps of
         # many rows (prompts) then expand nothing (kernels/amx.h)
+        lins = [w for x in weights.layers for w in (x.qkv, x.o, x.gate_up, x.down)]
+        if bf16 and tiles and amx_ready(level) and not _tiles_fit(lins):
+            tiles = False
         arena = Arena() if bf16 and tiles and amx_ready(level) else None
         self.tiles: list[torch.Tensor] = []
 

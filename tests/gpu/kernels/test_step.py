@@ -17,6 +17,7 @@ from actorlm.gpu.attention.torch_native import TorchNativeBackend
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.fused_decode import FusedDecoder, ThreadChooser
 from actorlm.gpu.kernels import native
+from actorlm.gpu.kernels import step as step_module
 from actorlm.gpu.kernels.step import native_step
 from actorlm.gpu.quantization import fbgemm_available
 from actorlm.gpu.runner import ModelRunner
@@ -319,6 +320,21 @@ def test_steps_on_the_weights_as_tiles_give_the_expanded_weights_bits(
     for i, step in enumerate(steps):
         assert tiled.fused.accepts(step)
         assert torch.equal(tiled.run(step), expanded.run(step)), i
+
+
+def test_tiles_that_would_take_half_the_memory_left_are_left_out(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)
+    runner = make_runner(path, dtype="bfloat16", quantization="none")
+    if runner.fused is None or not runner.fused.step.tiles:
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    need = sum(t.nbytes for t in runner.fused.step.tiles)
+    monkeypatch.setattr(step_module, "_memory_available", lambda: 2 * need - 1)
+    short = make_runner(path, dtype="bfloat16", quantization="none")
+    assert short.fused is not None and not short.fused.step.tiles
+    monkeypatch.setattr(step_module, "_memory_available", lambda: 2 * need)
+    assert make_runner(path, dtype="bfloat16", quantization="none").fused.step.tiles  # type: ignore[union-attr]
 
 
 def test_models_it_cannot_describe_keep_their_forward(
