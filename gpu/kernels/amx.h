@@ -320,10 +320,10 @@ static void amx_tiles_cols(const lin_t *L, const uint16_t *xb, int64_t M, int64_
     const int64_t rb = amx_row_block(K), step = silu ? 1 : 2, up = silu ? silu->up : 1;
     const int64_t slices = (nb * 2048 + AMX_B_SLICE_BYTES - 1) / AMX_B_SLICE_BYTES;
     const int64_t kc = (nb + slices - 1) / slices;
-    for (int64_t i = 0; i < 2 && g0 + i * up < (silu ? g1 + up : g1); i++) /* the first pair's */
-        for (const char *p = (const char *)(tiles + (g0 + i * up) * nb * 16), *e = p + nb * 1024;
-             p < e; p += 64)
-            _mm_prefetch(p, _MM_HINT_T1);
+    const char *pf0 = (const char *)(tiles + g0 * nb * 16); /* the first pair's tiles */
+    const char *pf1 = silu || g0 + 1 < g1 ? (const char *)(tiles + (g0 + up) * nb * 16) : NULL;
+    amx_prefetch_some(&pf0, pf0 + nb * 1024, nb * 16);
+    amx_prefetch_some(&pf1, pf1 ? pf1 + nb * 1024 : NULL, nb * 16);
     amx_configure_tiles(8); /* 0-3: C, 4 and 6: rows of x, 5 and 7: weights */
     for (int64_t tb = 0; tb < T; tb += rb) {
         const int64_t te = tb + rb < T ? tb + rb : T;

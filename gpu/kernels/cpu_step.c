@@ -365,8 +365,9 @@ static int64_t part_row(int64_t n, int64_t start, int64_t part, int64_t parts) {
 /* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
    over a bf16 pool, on bf16 products as prompts run (flash.h): K and V are read once a
    block for all the rows, where attend_task reads them once a row (q rounded to bf16
-   as flash.h gathers it). o16: the thread's scratch of n * G * D; the outputs into attn (fp32, or NULL) and attn_b
-   (bf16, or NULL), rows H * D apart. 0, or -1 (nothing written: no scratch). */
+   as flash.h gathers it). o16: the thread's scratch of n * G * D; the outputs into attn
+   (fp32, or NULL) and attn_b (bf16, or NULL), rows H * D apart. 0, or -1 (nothing
+   written: no scratch). */
 static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
                       const float *qkv, int64_t qkv_n, const int64_t *pages, int64_t start,
                       uint16_t *o16, float *attn, uint16_t *attn_b) {
