@@ -320,22 +320,22 @@ class FusedDecoder:
         return True
 
     def accepts(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> bool:
-        """Whether the step is this decoder's: every sequence is sampled, their new
-        tokens (one a decode; up to ``max_new`` for a short prompt or the tokens over a
-        cached prefix) are at most ``max_batch`` rows, and its adapters (``plan``) are
+        """Whether the step is this decoder's: its sequences' new tokens (one a decode;
+        up to ``max_new`` for a short prompt, a chunk of a longer one, or the tokens over
+        a cached prefix) are at most ``max_batch`` rows, and its adapters (``plan``) are
         in slots the step reads, for decodes alone."""
         news = [len(s.input_ids) for s in seqs]
         rows = sum(news)
         if plan is not None and (plan.rows is None or not self.step.has_lora or rows > len(seqs)):
             return False
-        return (
-            0 < rows <= self.max_batch and max(news) <= self.max_new and all(s.sample for s in seqs)
-        )
+        return 0 < rows <= self.max_batch and max(news) <= self.max_new
 
     def run(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> torch.Tensor:
-        """Logits [S, vocab] fp32 of each sequence's last new token (each with its
-        adapter, by ``plan``): one row a token, each attending to the keys up to its
-        own; K and V go to the pool."""
+        """Logits [S, vocab] fp32 of the last new token of each sequence that samples
+        (each with its adapter, by ``plan``): one row a token, each attending to the keys
+        up to its own; K and V go to the pool. A chunk of a prompt that is not its last
+        samples nothing: its logits are computed with the others' (the head reads its
+        weights once for all rows) and left out."""
         ps = self.page_size
         news = np.fromiter((len(s.input_ids) for s in seqs), np.int64, len(seqs))
         B = int(news.sum())
@@ -375,4 +375,6 @@ class FusedDecoder:
             cascade = Cascade.find(pages, lens, ps, self._chunk_rows)
         logits = self.step(tokens, cos, sin, slots, pages, lens, threads, rows, last, cascade)
         self.threads.record(B, threads, time.perf_counter() - t0)
+        if not all(s.sample for s in seqs):
+            logits = logits[[i for i, s in enumerate(seqs) if s.sample]]
         return logits

@@ -151,6 +151,34 @@ def test_short_prompts_and_extensions_of_a_cached_prefix(tiny_llama: Path) -> No
         assert (got - want).abs().max().item() < TOL, i
 
 
+def test_a_prompts_chunks_before_its_last_ride_in_the_step(tiny_llama: Path) -> None:
+    """A chunk of a prompt that samples nothing (not its last) runs in the fused step,
+    beside decodes or alone: the step gives the sampling sequences' logits alone, and
+    the chunk's K and V reach the pool as the model's forward writes them (the later
+    chunks' and decodes' logits agree)."""
+    fused = make_runner(tiny_llama)
+    plain = make_runner(tiny_llama, fused_decode_max_batch=0)
+    assert fused.fused is not None and plain.fused is None
+    pages = list(range(fused.pool.num_pages))
+    random.Random(9).shuffle(pages)
+    a, b, c = pages[:8], pages[8:16], pages[16:24]
+    steps = [
+        [SeqSpec(PROMPTS[1], 0, b)],
+        [SeqSpec(LONG[1][:12], 0, a, sample=False, prompt_len=24), SeqSpec([7], 9, b)],
+        [SeqSpec(LONG[0][:10], 0, c, sample=False, prompt_len=20)],  # nothing sampled
+        [
+            SeqSpec(LONG[1][12:24], 12, a, prompt_len=24),
+            SeqSpec(LONG[0][10:20], 10, c, prompt_len=20),
+        ],
+        [SeqSpec([11], 24, a), SeqSpec([8], 10, b), SeqSpec([12], 20, c)],
+    ]
+    for i, step in enumerate(steps):
+        assert fused.fused.accepts(step), i
+        got, want = fused.run(step), plain.run(step)
+        assert got.shape == want.shape == (sum(s.sample for s in step), fused.info.vocab_size), i
+        assert torch.allclose(got, want, rtol=0, atol=TOL), i
+
+
 @pytest.mark.parametrize("weights", ["dense", "blocks"])
 def test_extensions_attend_together_over_a_bf16_pool(
     tiny_model_factory: Callable[..., Path], tmp_path: Path, weights: str
@@ -237,7 +265,7 @@ def test_which_steps_it_takes(tiny_llama: Path) -> None:
     assert wide is not None and wide.max_new == FusedDecoder.MAX_NEW_ROWWISE
     assert wide.accepts([SeqSpec([5] * wide.max_new, 0, [0])])
     assert not wide.accepts([SeqSpec([5] * (wide.max_new + 1), 0, [0])])
-    assert not fused.accepts([SeqSpec([5], 3, [0], sample=False)])
+    assert fused.accepts([SeqSpec([5], 3, [0], sample=False)])  # a prompt's chunk
     assert not fused.accepts([])
     assert make_runner(tiny_llama, fused_decode_max_batch=0).fused is None
     assert wide.max_batch == FusedDecoder.MAX_BATCH  # the default (-1) off tiles
