@@ -127,28 +127,42 @@ def test_long_contexts(tiny_llama: Path) -> None:
     assert_fused_matches_model(tiny_llama, prompts=LONG[:1], steps=2)
 
 
+def fused_and_plain(path: Path, seed: int) -> tuple[ModelRunner, ModelRunner, list[list[int]]]:
+    """A runner with the fused step and one without, and three tables of 8 pages."""
+    fused = make_runner(path)
+    plain = make_runner(path, fused_decode_max_batch=0)
+    assert fused.fused is not None and plain.fused is None
+    pages = list(range(fused.pool.num_pages))
+    random.Random(seed).shuffle(pages)
+    return fused, plain, [pages[:8], pages[8:16], pages[16:24]]
+
+
+def assert_steps_match(
+    fused: ModelRunner, plain: ModelRunner, steps: list[list[SeqSpec]], taken: list[bool]
+) -> None:
+    """Each step through both runners (the fused step takes those `taken`): the same
+    logits, one row a sampling sequence."""
+    assert fused.fused is not None
+    for i, step in enumerate(steps):
+        assert fused.fused.accepts(step) == taken[i], i
+        got, want = fused.run(step), plain.run(step)
+        assert got.shape == want.shape == (sum(s.sample for s in step), fused.info.vocab_size), i
+        assert torch.allclose(got, want, rtol=0, atol=TOL), i
+
+
 def test_short_prompts_and_extensions_of_a_cached_prefix(tiny_llama: Path) -> None:
     """Steps whose rows are a few new tokens of one sequence (a short prompt, the
     tokens over a cached prefix, across a page's end) beside decodes of others: each
     row attends to the keys up to its own, the sequence's last row gives its logits, as
     the model's forward gives them."""
-    fused = make_runner(tiny_llama)
-    plain = make_runner(tiny_llama, fused_decode_max_batch=0)
-    assert fused.fused is not None and plain.fused is None
-    pages = list(range(fused.pool.num_pages))
-    random.Random(5).shuffle(pages)
-    a, b, c = pages[:8], pages[8:16], pages[16:24]
+    fused, plain, (a, b, c) = fused_and_plain(tiny_llama, 5)
     steps = [
         [SeqSpec(LONG[1][:40], 0, a), SeqSpec(PROMPTS[1], 0, b)],  # prompts: the forward
         [SeqSpec(LONG[1][40:46], 40, a), SeqSpec([7], 9, b), SeqSpec([3, 4, 5], 0, c)],
         [SeqSpec(LONG[1][46:60], 46, a, prompt_len=60), SeqSpec([8], 10, b)],  # page 3 to 4
         [SeqSpec([11], 60, a), SeqSpec([12], 11, b), SeqSpec([13, 14], 3, c)],
     ]
-    for i, step in enumerate(steps):
-        assert fused.fused.accepts(step) == (i > 0)
-        got, want = fused.run(step), plain.run(step)
-        assert got.shape == (len(step), fused.info.vocab_size)
-        assert (got - want).abs().max().item() < TOL, i
+    assert_steps_match(fused, plain, steps, [False, True, True, True])
 
 
 def test_a_prompts_chunks_before_its_last_ride_in_the_step(tiny_llama: Path) -> None:
@@ -156,12 +170,7 @@ def test_a_prompts_chunks_before_its_last_ride_in_the_step(tiny_llama: Path) -> 
     beside decodes or alone: the step gives the sampling sequences' logits alone, and
     the chunk's K and V reach the pool as the model's forward writes them (the later
     chunks' and decodes' logits agree)."""
-    fused = make_runner(tiny_llama)
-    plain = make_runner(tiny_llama, fused_decode_max_batch=0)
-    assert fused.fused is not None and plain.fused is None
-    pages = list(range(fused.pool.num_pages))
-    random.Random(9).shuffle(pages)
-    a, b, c = pages[:8], pages[8:16], pages[16:24]
+    fused, plain, (a, b, c) = fused_and_plain(tiny_llama, 9)
     steps = [
         [SeqSpec(PROMPTS[1], 0, b)],
         [SeqSpec(LONG[1][:12], 0, a, sample=False, prompt_len=24), SeqSpec([7], 9, b)],
@@ -172,11 +181,7 @@ def test_a_prompts_chunks_before_its_last_ride_in_the_step(tiny_llama: Path) -> 
         ],
         [SeqSpec([11], 24, a), SeqSpec([8], 10, b), SeqSpec([12], 20, c)],
     ]
-    for i, step in enumerate(steps):
-        assert fused.fused.accepts(step), i
-        got, want = fused.run(step), plain.run(step)
-        assert got.shape == want.shape == (sum(s.sample for s in step), fused.info.vocab_size), i
-        assert torch.allclose(got, want, rtol=0, atol=TOL), i
+    assert_steps_match(fused, plain, steps, [True] * len(steps))
 
 
 @pytest.mark.parametrize("weights", ["dense", "blocks"])
