@@ -292,9 +292,7 @@ class DecodeStep:
         # and on AMX their weights rounded to bf16 once, as the tiles load them: steps of
         # many rows (prompts) then expand nothing (kernels/amx.h)
         lins = [w for x in weights.layers for w in (x.qkv, x.o, x.gate_up, x.down)]
-        if bf16 and tiles and amx_ready(level) and not _tiles_fit(lins):
-            tiles = False
-        arena = Arena() if bf16 and tiles and amx_ready(level) else None
+        arena = Arena() if bf16 and tiles and amx_ready(level) and _tiles_fit(lins) else None
         self.tiles: list[torch.Tensor] = []
 
         def lin(w: Lin) -> Lin:
