@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable
 
 from ...messages.step import ForwardBatch, SeqStep, StepResult
 
-__all__ = ["BatchLog"]
+__all__ = ["BatchLog", "is_prompt"]
 
 log = logging.getLogger(__name__)
 
 
-def _is_prompt(seq: SeqStep) -> bool:
+def is_prompt(seq: SeqStep) -> bool:
     """A chunk of a prompt (its first carries the request's init), not a decode."""
     return seq.init is not None or len(seq.input_ids) > 1
 
@@ -57,7 +57,7 @@ class BatchLog:
         if self._since is None:  # from when its first step was sent, not from start-up
             self._since = self.clock() - result.forward_ms / 1e3
         self._sampled += len(result.results)
-        prompts = [s for s in batch.seqs if _is_prompt(s)]
+        prompts = [s for s in batch.seqs if is_prompt(s)]
         if prompts:
             held = sum(kv_tokens)
             log.info(
