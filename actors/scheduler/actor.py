@@ -479,7 +479,8 @@ class SchedulerActor(Actor):
         while flight is not None:
             batch, task = flight
             flight = None
-            if self._plans_ahead(batch):
+            prompts = any(map(is_prompt, batch.seqs))
+            if self._plans_ahead(prompts):
                 if self.gate is not None:
                     await self._lora_round()  # adapters wanted now, while the worker runs
                 await self._cache_step()  # this step's finishes, the next step's pages
@@ -497,7 +498,7 @@ class SchedulerActor(Actor):
                 )
                 continue  # a step still in flight gets its own answer, or error
             assert isinstance(reply, StepResult)
-            if reply.forward_ms > 0.0 and any(map(is_prompt, batch.seqs)):
+            if reply.forward_ms > 0.0 and prompts:
                 self.prompt_step_ms = reply.forward_ms
             deltas = planner.on_result(batch, reply)
             running = planner.running.values()
@@ -519,9 +520,9 @@ class SchedulerActor(Actor):
             await self._emit(finished)
         return True
 
-    def _plans_ahead(self, batch: ForwardBatch) -> bool:
-        """Whether to plan the next step while the worker runs ``batch`` (overlap). Not
-        while it runs prompt tokens, where such steps take LONG_PROMPT_STEP_MS or more (a
+    def _plans_ahead(self, prompts: bool) -> bool:
+        """Whether to plan the next step while the worker runs this one (overlap). Not
+        while it runs prompt tokens (``prompts``), where such steps take LONG_PROMPT_STEP_MS or more (a
         CPU's prefill chunks take tens of ms): planning ahead would save the worker a few
         percent of the step, while every request arriving during it, a closed loop's next
         one or a burst's rest, would wait a whole step more for its first token. 2-core
@@ -530,7 +531,7 @@ class SchedulerActor(Actor):
         c=16 (c=16 487 -> 514 out tok/s); random c=1 / 8 / 32 level."""
         if not self.overlap or self._pool_down():
             return False
-        return self.prompt_step_ms < LONG_PROMPT_STEP_MS or not any(map(is_prompt, batch.seqs))
+        return not prompts or self.prompt_step_ms < LONG_PROMPT_STEP_MS
 
     async def _cache_step(self) -> bool:
         """Send the planner's pending cache operations; whether anything changed."""
