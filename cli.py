@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or module:Class",
     )
     actor.add_argument("--deploy", help="TOML deployment file naming every actor's address")
-    actor.add_argument("--bind", help="address this actor binds (ipc:// or tcp://)")
+    actor.add_argument("--bind", help="address this actor binds (unix://, ipc:// or tcp://)")
     actor.add_argument("--address", help="address peers use to reach it (default: --bind)")
     actor.add_argument(
         "--peer", action="append", default=[], metavar="ROLE=ADDR", help="a peer's address"

@@ -68,8 +68,11 @@ FLAG_HELP: dict[str, str] = {
     "max_prompt_chars": "longer prompts are refused before tokenizing (0: 64 x the context)",
     "drain_timeout_s": "on SIGTERM or POST /drain, how long requests in flight may still run",
     # deployment and liveness
-    "transport": "how actors talk under serve: ipc (default), tcp, or inproc",
-    "run_dir": "folder for ipc sockets (empty: a fresh owner-only temporary one)",
+    "transport": (
+        "how actors talk under serve: unix (default: Unix sockets, no ZMQ), ipc (Unix "
+        "sockets through ZMQ), tcp, or inproc"
+    ),
+    "run_dir": "folder for unix and ipc sockets (empty: a fresh owner-only temporary one)",
     "heartbeat_s": "how often each actor tells its peers it is alive",
     "peer_timeout_s": "a peer silent this long is down (a hung child is killed)",
     "request_timeout_s": "how long one actor waits for another's answer",

@@ -64,7 +64,7 @@ class ConfigError(TypeError, ValueError):
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("scheduler", "policy"): ("fcfs", "lpm", "priority"),
     ("scheduler", "on_worker_loss"): ("fail", "recompute"),
-    ("deploy", "transport"): ("inproc", "ipc", "tcp"),
+    ("deploy", "transport"): ("inproc", "unix", "ipc", "tcp"),
     ("deploy", "restart_policy"): ("on-failure", "never"),
     ("deploy", "launcher"): ("local", "ray"),
 }

@@ -1,9 +1,12 @@
-"""Actor round trip and throughput beside raw pyzmq + msgpack, over ipc and tcp.
+"""Actor round trip, its CPU, and throughput beside raw pyzmq + msgpack, over unix, ipc
+and tcp.
 
 Two processes each way. The actor path uses the real Launcher (one actor
 process) and an ActorRuntime client in this process, on uvloop; the raw path is
 a blocking PUSH/PULL pair per direction with msgpack, the same envelope and
-body sizes. Latency: request → reply, p50/p99. Throughput: one-way messages/s
+body sizes (over ipc where the actors use unix: raw ZMQ has no unix transport).
+Latency: request → reply, p50/p99, and the CPU time of both processes (all their
+threads, ZMQ's I/O threads included) a round trip. Throughput: one-way messages/s
 (the last one is a request, answered once the receiver has seen them all).
 
 Both paths stay up for the whole run and are measured in alternating rounds
@@ -20,6 +23,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -103,6 +108,9 @@ class ActorPath:
         await self.client.request("echo", Tick(i=-1, payload=self.payload))  # warm the Tick path
         self.ticks += 1
 
+    def peer_pid(self) -> int:
+        return self.launcher.members["echo"].pid
+
     async def latency(self, iters: int) -> list[int]:
         ping, request, clock = Ping(payload=self.payload), self.client.request, time.perf_counter_ns
         samples = []
@@ -161,7 +169,7 @@ class RawPath:
 
     def __init__(self, transport: str, payload: bytes) -> None:
         self.tmp = tempfile.TemporaryDirectory(prefix="actorlm-rtt-")
-        if transport == "ipc":
+        if transport in ("unix", "ipc"):
             server_addr = f"ipc://{self.tmp.name}/server.sock"
             client_addr = f"ipc://{self.tmp.name}/client.sock"
         else:
@@ -200,6 +208,9 @@ class RawPath:
     def start(self, warmup: int) -> None:
         self.latency(warmup)
 
+    def peer_pid(self) -> int:
+        return self.proc.pid or 0
+
     def latency(self, iters: int) -> list[int]:
         ping, call, clock = {"payload": self.payload}, self.call, time.perf_counter_ns
         samples = []
@@ -231,9 +242,19 @@ class RawPath:
         self.tmp.cleanup()
 
 
-def summary(samples_ns: list[int], msgs: int, seconds: float) -> dict[str, Any]:
+def cpu_seconds(peer: int) -> float:
+    """CPU time (user + system) so far of this process and of process ``peer``."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    fields = Path(f"/proc/{peer}/stat").read_text().rsplit(")", 1)[1].split()
+    return (
+        own.ru_utime + own.ru_stime + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    )
+
+
+def summary(samples_ns: list[int], cpu_s: float, msgs: int, seconds: float) -> dict[str, Any]:
     p50, p99 = percentiles(samples_ns)
-    return {"p50_us": p50, "p99_us": p99, "msgs_per_s": msgs / seconds}
+    cpu_us = cpu_s / len(samples_ns) * 1e6
+    return {"p50_us": p50, "p99_us": p99, "cpu_us": cpu_us, "msgs_per_s": msgs / seconds}
 
 
 async def compare(
@@ -245,10 +266,14 @@ async def compare(
     raw, actor = RawPath(transport, payload), ActorPath(transport, payload)
     samples: dict[str, list[int]] = {"raw": [], "actor": []}
     seconds = {"raw": 0.0, "actor": 0.0}
+    cpu = {"raw": 0.0, "actor": 0.0}
 
     async def latency(path: str, n: int) -> None:
         # The raw path blocks this loop; the actor path is idle meanwhile.
+        peer = raw.peer_pid() if path == "raw" else actor.peer_pid()
+        before = cpu_seconds(peer)
         samples[path] += raw.latency(n) if path == "raw" else await actor.latency(n)
+        cpu[path] += cpu_seconds(peer) - before
 
     async def throughput(path: str, m: int) -> None:
         seconds[path] += raw.throughput(m) if path == "raw" else await actor.throughput(m)
@@ -265,19 +290,21 @@ async def compare(
         raw.stop()
         await actor.stop()
     return (
-        summary(samples["raw"], msgs, seconds["raw"]),
-        summary(samples["actor"], msgs, seconds["actor"]),
+        summary(samples["raw"], cpu["raw"], msgs, seconds["raw"]),
+        summary(samples["actor"], cpu["actor"], msgs, seconds["actor"]),
     )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| transport | path | rtt p50 µs | rtt p99 µs | one-way msg/s | rtt p50 ÷ raw | raw msg/s ÷ msg/s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| transport | path | rtt p50 µs | rtt p99 µs | CPU µs a round trip | one-way msg/s"
+        " | rtt p50 ÷ raw | raw msg/s ÷ msg/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['transport']} | {r['path']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | {r['msgs_per_s']:,.0f}"
+            f"| {r['transport']} | {r['path']} | {r['p50_us']:.1f} | {r['p99_us']:.1f}"
+            f" | {r['cpu_us']:.1f} | {r['msgs_per_s']:,.0f}"
             f" | {r.get('rtt_ratio', 1.0):.2f}× | {r.get('tput_ratio', 1.0):.2f}× |"
         )
     return "\n".join(lines)
@@ -291,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=500, help="untimed round trips first")
     parser.add_argument("--msgs", type=int, default=50000, help="one-way messages for throughput")
     parser.add_argument("--payload", type=int, default=64, help="payload bytes per message")
-    parser.add_argument("--transports", default="ipc,tcp", help="comma-separated: ipc,tcp")
+    parser.add_argument(
+        "--transports", default="unix,ipc,tcp", help="comma-separated: unix,ipc,tcp"
+    )
     parser.add_argument(
         "--rounds", type=int, default=10, help="alternating raw/actor rounds per transport"
     )
@@ -308,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         actor["rtt_ratio"] = actor["p50_us"] / raw["p50_us"]
         actor["tput_ratio"] = raw["msgs_per_s"] / actor["msgs_per_s"]
+        raw_path = "raw pyzmq+msgpack" + (" (ipc)" if transport == "unix" else "")
         rows += [
-            {"transport": transport, "path": "raw pyzmq+msgpack", **raw},
+            {"transport": transport, "path": raw_path, **raw},
             {"transport": transport, "path": "actorlm", **actor},
         ]
     print(table(rows))

@@ -12,6 +12,7 @@ per-message CPU is what the pipeline adds.
     python bench/pipeline.py                      # overlap on/off x interval 1, 4
     python bench/pipeline.py --num-threads 1 --worker-cpus 0   # a core left to the actors
     python bench/pipeline.py --intervals 1,2,4,8 --overlap on
+    python bench/pipeline.py --transports unix,ipc --overlap on --intervals 1
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intervals", default="1,4", help="--stream-interval values")
     p.add_argument("--overlap", default="on,off", help="overlap scheduling settings")
     p.add_argument(
+        "--transports", default="unix", help="how the actors talk (actorlm's --transport values)"
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=0,
@@ -59,10 +63,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run(args: argparse.Namespace, overlap: bool, interval: int) -> dict[str, Any]:
+def run(args: argparse.Namespace, transport: str, overlap: bool, interval: int) -> dict[str, Any]:
     ids = list(range(1000, 1000 + args.prompt_len))
     params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     options: dict[str, Any] = {
+        "transport": transport,
         "stream_interval": interval,
         "disable_overlap_schedule": not overlap,
     }
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace, overlap: bool, interval: int) -> dict[str, Any
                     },
                 }
             )
-    return {"overlap": overlap, "stream_interval": interval, "runs": runs}
+    return {"transport": transport, "overlap": overlap, "stream_interval": interval, "runs": runs}
 
 
 def main() -> None:
@@ -103,13 +108,15 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine.describe(), "args": vars(args), "setups": []}
     for overlap in (o == "on" for o in args.overlap.split(",")):
         for interval in (int(x) for x in args.intervals.split(",")):
-            results["setups"].append(run(args, overlap, interval))
+            for transport in args.transports.split(","):
+                results["setups"].append(run(args, transport, overlap, interval))
     m = results["machine"]
     print(f"{m['cpu']}, {m['cores']} cores, flags {' '.join(m['isa_flags'])}")
     print(
-        "| overlap | stream interval | ms a token (p50 of runs) | CPU ms a token: tokenizer / scheduler / client |"
+        "| transport | overlap | stream interval | ms a token (p50 of runs)"
+        " | CPU ms a token: tokenizer / scheduler / client |"
     )
-    print("| --- | ---: | ---: | --- |")
+    print("| --- | --- | ---: | ---: | --- |")
     for s in results["setups"]:
         ms = statistics.median(r["ms_per_token"] for r in s["runs"])
         cpu = {
@@ -117,7 +124,7 @@ def main() -> None:
             for k in ("tokenizer", "scheduler", "serve")
         }
         print(
-            f"| {'on' if s['overlap'] else 'off'} | {s['stream_interval']} | {ms:.2f} | {cpu['tokenizer']:.2f} / {cpu['scheduler']:.2f} / {cpu['serve']:.2f} |"
+            f"| {s['transport']} | {'on' if s['overlap'] else 'off'} | {s['stream_interval']} | {ms:.2f} | {cpu['tokenizer']:.2f} / {cpu['scheduler']:.2f} / {cpu['serve']:.2f} |"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

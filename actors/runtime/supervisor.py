@@ -2,7 +2,7 @@
 for every READY, restarts what dies, and shuts down cleanly.
 
 Placement is configuration: ``placement="process"`` spawns one process per actor
-(ipc or tcp addresses), ``"inproc"`` runs them all on this event loop (inproc
+(unix, ipc or tcp addresses), ``"inproc"`` runs them all on this event loop (inproc
 addresses; tests and notebooks). The code of the actors is the same.
 
 Liveness is the actors' own (``peers``: heartbeats between every pair, incarnation
@@ -68,15 +68,15 @@ class StartupError(RuntimeError):
 
 
 def make_addresses(roles: list[str], transport: str, run_dir: str) -> dict[str, str]:
-    """A fresh address per role for ``transport`` (inproc | ipc | tcp on loopback)."""
+    """A fresh address per role for ``transport`` (inproc | unix | ipc | tcp on loopback)."""
     if transport == "inproc":
         tag = uuid.uuid4().hex[:8]
         return {r: f"inproc://actorlm-{tag}-{r}" for r in roles}
-    if transport == "ipc":
-        return {r: f"ipc://{run_dir}/{r}.sock" for r in roles}
+    if transport in ("unix", "ipc"):
+        return {r: f"{transport}://{run_dir}/{r}.sock" for r in roles}
     if transport == "tcp":
         return {r: f"tcp://127.0.0.1:{free_port()}" for r in roles}
-    raise ValueError(f"unknown transport {transport!r}; known: inproc, ipc, tcp")
+    raise ValueError(f"unknown transport {transport!r}; known: inproc, unix, ipc, tcp")
 
 
 @dataclass

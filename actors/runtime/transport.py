@@ -1,8 +1,10 @@
 """Transports: how frames move between actor inboxes.
 
-An address picks the transport: ``inproc://`` (same process), ``ipc://`` (same
-host, a Unix socket file), ``tcp://`` (other hosts). Every actor binds one PULL
-socket (its inbox); senders keep one PUSH socket per peer address. The
+An address picks the transport: ``inproc://`` (same process), ``unix://`` (same
+host, a Unix socket file, frames written straight from the event loop: ``unix``),
+``ipc://`` (the same over ZMQ, for ZMQ peers), ``tcp://`` (other hosts). Every
+actor binds one inbox (a PULL socket on ZMQ); senders keep one outbox (a PUSH
+socket) per peer address. The
 in-memory transport used by the test harness has the same interface and still
 moves encoded frames, so codec and interceptors run as they do on the wire.
 
@@ -34,6 +36,7 @@ import zmq.asyncio
 
 from ...config import DeployConfig
 from .keys import CurveKeys, InsecureBindError, RoleAuthenticator, is_loopback
+from .unix import UnixInbox, UnixOutbox, unix_path
 
 __all__ = [
     "free_port",
@@ -219,8 +222,9 @@ class _ZmqOutbox:
 
 
 class ZmqTransport:
-    """ZMQ PUSH/PULL over inproc, ipc or tcp. ``inproc`` peers must share the
-    context, so in-process placements pass one ZmqTransport to every actor."""
+    """ZMQ PUSH/PULL over inproc, ipc or tcp, and ``unix://`` addresses without ZMQ.
+    ``inproc`` peers must share the context, so in-process placements pass one
+    ZmqTransport to every actor."""
 
     def __init__(
         self,
@@ -244,6 +248,8 @@ class ZmqTransport:
         return cls(keys=keys, insecure=deploy.insecure)
 
     def bind(self, address: str, role: str = "") -> Inbox:
+        if unix := unix_path(address):
+            return UnixInbox(unix)
         path = ipc_path(address)
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -271,6 +277,8 @@ class ZmqTransport:
         return _ZmqInbox(sock, address, curve)
 
     def connect(self, address: str, peer: str = "", role: str = "") -> Outbox:
+        if unix := unix_path(address):
+            return UnixOutbox(unix)
         sock: zmq.Socket[bytes] = self._sync.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer; memory is the bound
         sock.setsockopt(zmq.LINGER, 0)

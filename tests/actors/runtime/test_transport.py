@@ -1,5 +1,5 @@
-"""ZMQ inboxes deliver every message once, in order, whether it comes alone or in a burst;
-an outbox to an inproc peer that is gone fails at once."""
+"""Inboxes (ZMQ's and the unix transport's) deliver every message once, in order, whether
+it comes alone or in a burst; an outbox to an inproc peer that is gone fails at once."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import pytest
 from actorlm.actors.runtime.transport import ZmqTransport
 
 
+@pytest.mark.parametrize("scheme", ["ipc", "unix"])
 @pytest.mark.parametrize("burst", [1, 1000])
-def test_zmq_inbox_delivers_bursts_in_order(tmp_path: Path, burst: int) -> None:
+def test_inbox_delivers_bursts_in_order(tmp_path: Path, burst: int, scheme: str) -> None:
     async def main() -> list[list[bytes]]:
         transport = ZmqTransport()
-        address = f"ipc://{tmp_path}/inbox.sock"
+        address = f"{scheme}://{tmp_path}/inbox.sock"
         inbox = transport.bind(address)
         outbox = transport.connect(address)
         got: list[list[bytes]] = []
