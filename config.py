@@ -156,7 +156,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Where actors live. ``addresses`` maps role → address (inproc://, ipc://, tcp://)."""
+    """Where actors live. ``addresses`` maps role → address (inproc://, unix://, ipc://, tcp://)."""
 
     transport: str = "unix"  # inproc | unix | ipc | tcp
     addresses: dict[str, str] = {}

@@ -1,12 +1,12 @@
 """Transports: how frames move between actor inboxes.
 
 An address picks the transport: ``inproc://`` (same process), ``unix://`` (same
-host, a Unix socket file, frames written straight from the event loop: ``unix``),
-``ipc://`` (the same over ZMQ, for ZMQ peers), ``tcp://`` (other hosts). Every
-actor binds one inbox (a PULL socket on ZMQ); senders keep one outbox (a PUSH
-socket) per peer address. The
-in-memory transport used by the test harness has the same interface and still
-moves encoded frames, so codec and interceptors run as they do on the wire.
+host, a Unix socket file, frames written straight from the event loop: module
+``unix``), ``ipc://`` (the same through ZMQ, for ZMQ peers), ``tcp://`` (other
+hosts). Every actor binds one inbox (a PULL socket on ZMQ); senders keep one outbox
+(a PUSH socket) per peer address. The in-memory transport used by the test harness
+has the same interface and still moves encoded frames, so codec and interceptors
+run as they do on the wire.
 
 An inbox hands each message's frames to the function given to ``listen``,
 straight from the event loop's callback and in arrival order, so a message
