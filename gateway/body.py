@@ -43,11 +43,16 @@ async def read_body(request: web.Request, limit: int) -> bytes:
                 )
             chunks.append(chunk)
     except (ContentEncodingError, web.RequestPayloadError) as exc:
+        # The body's stream is broken: marked read, or aiohttp reads it again after the
+        # answer (its lingering close) and logs the client's error as its own; and the
+        # connection ends, as nothing after a body that cannot be read can be trusted.
+        request.content.feed_eof()
         encoding = request.headers.get("Content-Encoding", "none")
         raise ApiError(
             400,
             f"cannot read the request body (Content-Encoding: {encoding}): {exc}",
             code="invalid_encoding",
+            close=True,
         ) from None
     return b"".join(chunks)
 

@@ -50,6 +50,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -57,6 +58,7 @@ class ApiError(Exception):
         self.code = code or error_type(status)
         self.param = param
         self.headers = headers or {}
+        self.close = close  # the connection ends with this answer
 
     def payload(self) -> dict[str, Any]:
         return error_payload(self.status, self.message, self.code, self.param)
@@ -85,4 +87,7 @@ def error_payload(
 
 
 def error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.payload(), status=err.status, headers=err.headers)
+    response = web.json_response(err.payload(), status=err.status, headers=err.headers)
+    if err.close:
+        response.force_close()
+    return response

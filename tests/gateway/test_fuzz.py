@@ -91,7 +91,11 @@ def test_oversized_and_undecodable_bodies(server: Server) -> None:
     bomb = gzip.compress(b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}')
     assert len(bomb) < 2**20
     assert _raw(server, bomb, {"Content-Encoding": "gzip"}) == 413  # stops at the limit
+    seen = len(server.log_text())
     assert _raw(server, b"not gzip at all", {"Content-Encoding": "gzip"}) == 400
+    torn = gzip.compress(b'{"prompt": "' + b"a" * 4096 + b'"}')[:-40] + b"x" * 40
+    assert _raw(server, torn, {"Content-Encoding": "gzip"}) == 400
+    assert "Traceback" not in server.log_text()[seen:]  # a client's error, not the server's
     assert _raw(server, b'{"prompt": "x"}', {"Content-Encoding": "nonsense"}) in (200, 400, 415)
 
 
