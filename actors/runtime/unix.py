@@ -62,7 +62,7 @@ class _Reader:
         self.buf = bytearray()
         self.parts: list[bytes] = []
 
-    def feed(self, data: bytes) -> list[list[bytes]]:
+    def feed(self, data: bytes | memoryview) -> list[list[bytes]]:
         buf = self.buf
         buf += data
         messages: list[list[bytes]] = []
@@ -101,6 +101,9 @@ class UnixInbox:
         self._server.listen(256)
         self._server.setblocking(False)
         self._readers: dict[int, _Reader] = {}
+        # Read into one buffer, kept: a fresh 256 KiB bytes object a read cost ~9 us
+        # (an mmap and munmap each time), against ~1 us for the read and its copy here.
+        self._chunk = memoryview(bytearray(_READ_CHUNK))
         self._deliver: Callable[[list[bytes], str], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -126,16 +129,16 @@ class UnixInbox:
 
     def _read(self, reader: _Reader) -> None:
         try:
-            data = reader.sock.recv(_READ_CHUNK)
+            n = reader.sock.recv_into(self._chunk)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:  # the sender closed or died
+            n = 0
+        if not n:  # the sender closed or died
             self._drop(reader)
             return
         try:
-            messages = reader.feed(data)
+            messages = reader.feed(self._chunk[:n])
         except FrameError as exc:
             log.error("%s: dropping a connection that sent no frames: %s", self._path, exc)
             self._drop(reader)
