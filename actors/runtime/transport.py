@@ -36,7 +36,7 @@ import zmq.asyncio
 
 from ...config import DeployConfig
 from .keys import CurveKeys, InsecureBindError, RoleAuthenticator, is_loopback
-from .unix import UnixInbox, UnixOutbox, unix_path
+from .unix import UnixInbox, UnixOutbox, clear_socket_path, unix_path
 
 __all__ = [
     "free_port",
@@ -252,9 +252,7 @@ class ZmqTransport:
             return UnixInbox(unix)
         path = ipc_path(address)
         if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # a stale file from a crashed run
+            clear_socket_path(path)
         sock: zmq.Socket[bytes] = self._sync.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, 0)
         curve = address.startswith("tcp://") and self.keys is not None

@@ -30,7 +30,7 @@ import struct
 from collections import deque
 from collections.abc import Callable, Sequence
 
-__all__ = ["FrameError", "RECONNECT_S", "UnixInbox", "UnixOutbox", "unix_path"]
+__all__ = ["FrameError", "RECONNECT_S", "UnixInbox", "UnixOutbox", "clear_socket_path", "unix_path"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,13 @@ def unix_path(address: str) -> str | None:
     return address[len("unix://") :] if address.startswith("unix://") else None
 
 
+def clear_socket_path(path: str) -> None:
+    """Make ``path``'s folder, and take away a socket file a crashed run left there."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 class _Reader:
     """One accepted connection: bytes in, whole messages out."""
 
@@ -67,19 +74,20 @@ class _Reader:
         buf += data
         messages: list[list[bytes]] = []
         pos, end = 0, len(buf)
-        while end - pos >= _HEADER.size:
-            length, flags = _HEADER.unpack_from(buf, pos)
-            if length > MAX_FRAME:
-                raise FrameError(f"a frame header says {length} bytes")
-            stop = pos + _HEADER.size + length
-            if stop > end:
-                break
-            self.parts.append(bytes(buf[pos + _HEADER.size : stop]))
-            pos = stop
-            if not flags & _MORE:
-                messages.append(self.parts)
-                self.parts = []
-        del buf[:pos]
+        with memoryview(buf) as view:  # a frame's bytes copied once (a slice of buf: twice)
+            while end - pos >= _HEADER.size:
+                length, flags = _HEADER.unpack_from(view, pos)
+                if length > MAX_FRAME:
+                    raise FrameError(f"a frame header says {length} bytes")
+                stop = pos + _HEADER.size + length
+                if stop > end:
+                    break
+                self.parts.append(view[pos + _HEADER.size : stop].tobytes())
+                pos = stop
+                if not flags & _MORE:
+                    messages.append(self.parts)
+                    self.parts = []
+        del buf[:pos]  # the view released: buf may shrink
         return messages
 
 
@@ -93,9 +101,7 @@ class UnixInbox:
 
     def __init__(self, path: str) -> None:
         self._path = path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a stale file from a crashed run
+        clear_socket_path(path)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(path)
         self._server.listen(256)
@@ -195,7 +201,7 @@ class UnixOutbox:
             chunks.append(memoryview(_HEADER.pack(view.nbytes, 0 if i == last else _MORE)))
             if view.nbytes:  # no empty chunk: a backlog of one would never drain
                 chunks.append(view)
-        if self._sock is None and self._loop is None:
+        if self._sock is None and self._retry is None:  # not connected, no attempt due
             self._loop = asyncio.get_running_loop()
             self._connect()
         if self._sock is None or self._backlog:
@@ -295,10 +301,8 @@ class UnixOutbox:
     def _disconnected(self) -> None:
         """The peer went away: drop the socket, and connect again for what waits."""
         self._drop_socket()
-        if self._backlog:
+        if self._backlog:  # else the next send connects
             self._schedule_connect()
-        else:
-            self._loop = None  # the next send connects at once
 
     def _drop_socket(self) -> None:
         sock, self._sock = self._sock, None
