@@ -168,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument(
         "--no-ignore-eos", action="store_true", help="do not ask engines to run to max_tokens"
     )
+    w.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's (0: greedy; OpenAI's default is 1)",
+    )
+    w.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     load = p.add_argument_group("load")
     load.add_argument("--concurrency", default="1,8,32", help="comma list of levels")
     load.add_argument(
@@ -462,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ready in {entry['startup_s']} s (model id {model_id!r})", flush=True)
 
             def extra(n: int, spec: peers.EngineSpec = spec) -> dict[str, Any]:
-                return {} if args.no_ignore_eos else spec.extra_body(n, files)
+                sampling = {"temperature": args.temperature}
+                if args.top_p < 1:
+                    sampling["top_p"] = args.top_p
+                return sampling | ({} if args.no_ignore_eos else spec.extra_body(n, files))
 
             if spec.name.startswith("actorlm"):  # what it chose: dtype, kernels' ISA
                 entry["server_info"] = asyncio.run(server_info(url))

@@ -11,14 +11,16 @@ Per row, in this order (each step only runs for the rows that need it):
    tells the scheduler not to stop on eos);
 4. logit processors, then the vocabulary mask (grammar);
 5. greedy rows take the argmax; the others divide by temperature, apply top-k,
-   then top-p on the renormalized rest, then min-p, and draw by Gumbel-max.
+   then top-p on the renormalized rest, then min-p, and draw: on the CPU in C
+   (``kernels/sample.py``: a few passes a row, the inverse CDF at one uniform a row),
+   elsewhere with PyTorch (a sort of the vocabulary, Gumbel-max).
 
 A whole-batch greedy step with none of the above is a single argmax (grammar masks
 read inside it: ``kernels.bitmask``).
 
-Seeds: a seeded row draws its noise from a generator seeded by (seed, tokens
-generated so far), so its tokens depend on neither its batch neighbours nor on a
-retraction and re-admission. Parallel samples (``n > 1``) that share a seed give
+Seeds: a seeded row draws its uniform (CPU) or its noise (a generator seeded so) from
+(seed, tokens generated so far), so its tokens depend on neither its batch neighbours
+nor on a retraction and re-admission. Parallel samples (``n > 1``) that share a seed give
 equal outputs unless the scheduler gives each its own seed.
 """
 
@@ -32,6 +34,7 @@ import torch
 from ..messages.sampling import SamplingParams
 from ..messages.step import SeqInit, SeqResult, TopLogprob
 from .kernels.bitmask import apply_masks_, masked_argmax
+from .kernels.sample import native_sample, sample_rows
 from .logit_processors import LogitProcessor, build_processors
 
 __all__ = ["Sampler"]
@@ -227,16 +230,20 @@ class Sampler:
 
         lp_idx = [i for i, s in enumerate(seqs) if s.want_logprobs]
         raw_logprobs = logits[self._rows(lp_idx)].float().log_softmax(dim=-1) if lp_idx else None
-        x = self._process(seqs, logits, masks or {})
+        # rows with nothing to apply read the logits as they are: no [B, V] copy
+        applies = masks or any(s.slot >= 0 or s.bias_ids or s.banning or s.processors for s in seqs)
+        x = self._process(seqs, logits, masks or {}) if applies else logits.float()
 
         rand_idx = [i for i, s in enumerate(seqs) if not s.greedy]
         if len(rand_idx) < len(seqs):
-            tokens = x.argmax(dim=-1)
+            tokens = masked_argmax(x, [None] * len(seqs))  # torch.argmax's picks, in C on the CPU
         else:
             tokens = torch.empty(len(seqs), dtype=torch.long, device=x.device)
         if rand_idx:
+            rand_seqs = [seqs[i] for i in rand_idx]
             rand_rows = self._rows(rand_idx)
-            tokens[rand_rows] = self._draw(x[rand_rows], [seqs[i] for i in rand_idx])
+            drawn = self._draw_native(x, rand_idx, rand_seqs)
+            tokens[rand_rows] = drawn if drawn is not None else self._draw(x[rand_rows], rand_seqs)
 
         token_list: list[int] = tokens.tolist()
         pen_idx = [i for i, s in enumerate(seqs) if s.slot >= 0]
@@ -312,8 +319,37 @@ class Sampler:
 
         return apply_masks_(x, masks) if masks else x  # x is this step's copy: in place
 
+    def _draw_native(
+        self, x: torch.Tensor, idx: list[int], seqs: list[_Seq]
+    ) -> torch.Tensor | None:
+        """Rows ``idx`` of ``x`` (processed logits), each sampled per its params by the C
+        kernel at one uniform a row: a seeded row's from (seed, tokens generated), the
+        others' from torch's generator. None where the kernel cannot take ``x``."""
+        if native_sample() is None or x.device.type != "cpu":
+            return None
+        ps = [s.params for s in seqs]
+        free = [j for j, p in enumerate(ps) if p.seed is None]
+        draws = torch.rand(len(free), dtype=torch.float64).tolist() if free else []
+        uniforms = [0.0] * len(seqs)
+        for j, u in zip(free, draws, strict=True):
+            uniforms[j] = u
+        for j, (s, p) in enumerate(zip(seqs, ps, strict=True)):
+            if p.seed is not None:  # 53 well-mixed bits: a double in [0, 1)
+                uniforms[j] = (_step_seed(p.seed, s.generated) >> 10) / 2.0**53
+        out = sample_rows(
+            x,
+            idx,
+            [p.temperature for p in ps],
+            [p.top_k for p in ps],
+            [p.top_p for p in ps],
+            [p.min_p for p in ps],
+            uniforms,
+        )
+        return None if out is None else torch.tensor(out, dtype=torch.long)
+
     def _draw(self, z: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
-        """Sample each row of ``z`` ``[R, V]`` (processed logits) per its params."""
+        """Sample each row of ``z`` ``[R, V]`` (processed logits) per its params, with
+        PyTorch (the devices the C kernel does not serve, and its reference)."""
         ps = [s.params for s in seqs]
         vocab = z.shape[-1]
         z = z / self._floats([p.temperature for p in ps]).unsqueeze(-1)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from actorlm.gpu import sampling
 from actorlm.gpu.sampling import Sampler
 from actorlm.messages.sampling import SamplingParams
 from actorlm.messages.step import SeqInit
@@ -27,6 +28,15 @@ DEVICES = [
 ]
 
 
+@pytest.fixture(params=["c", "torch"])
+def draw(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Rows that sample take the C kernel (the CPU's path) or PyTorch's (other devices',
+    and the CPU's without a compiler)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampling, "native_sample", lambda level="": None)
+    return str(request.param)
+
+
 def init(
     prompt: list[int], outputs: list[int] | None = None, /, eos: tuple[int, ...] = (), **params: Any
 ) -> SeqInit:
@@ -39,7 +49,7 @@ def init(
     )
 
 
-def test_greedy_is_argmax_and_logits_untouched() -> None:
+def test_greedy_is_argmax_and_logits_untouched(draw: str) -> None:
     sampler = Sampler(50, CPU)
     for i in range(6):
         kw = {"temperature": 0.0} if i % 2 else {"top_k": 1, "temperature": 0.8}
@@ -73,7 +83,9 @@ def _run_seeded(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_seed_reproducible_across_batch_composition_and_readmission(device: torch.device) -> None:
+def test_seed_reproducible_across_batch_composition_and_readmission(
+    device: torch.device, draw: str
+) -> None:
     gen = torch.Generator().manual_seed(1)
     steps = [torch.randn(64, generator=gen) * 0.5 for _ in range(24)]
     params = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
@@ -139,7 +151,7 @@ def _chi2_critical(df: int) -> float:
 )
 @pytest.mark.parametrize("seeded", [False, True])
 def test_distribution_matches_filtered_softmax(
-    t: float, k: int, p: float, min_p: float, seeded: bool
+    t: float, k: int, p: float, min_p: float, seeded: bool, draw: str
 ) -> None:
     torch.manual_seed(0)
     logits = [1.2, 0.3, -0.5, 2.0, 0.9, -1.5, 0.0, 1.6]

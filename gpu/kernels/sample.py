@@ -1,0 +1,84 @@
+"""Sampling rows of processed logits on the CPU in C (``cpu_sample.c``): temperature,
+top-k, top-p over what top-k left, min-p, then one draw by the inverse CDF of the kept
+weights at a uniform the caller gives each row (so a seeded row's draw depends on its
+seed alone).
+
+PyTorch's way, which ``gpu/sampling.py`` keeps for other devices, sorts the whole
+vocabulary for top-k/top-p and draws an exponential a token for Gumbel-max; the kernel
+makes a few vectorized passes over a row and sorts only the tokens a cut can keep. It
+takes fp32 CPU logits with unit column stride; anything else, or ``ACTORLM_NATIVE=0``,
+gets None and the caller takes the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import native
+
+__all__ = ["native_sample", "sample_rows"]
+
+_P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ROWS_PER_THREAD = 4  # a row is ~20-60 us at a 49k vocabulary: a team pays from a few
+
+
+@cache
+def native_sample(level: str = "") -> Any | None:
+    """The compiled kernel for ISA ``level`` (default: the best here), or None where it
+    cannot be built."""
+    lib = native.load(Path(__file__).with_name("cpu_sample.c"), level)
+    if lib is not None:
+        fn = lib.actorlm_sample_rows
+        fn.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _T]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def sample_rows(
+    x: torch.Tensor,
+    rows: Sequence[int],
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+    uniforms: Sequence[float],
+    level: str = "",
+) -> list[int] | None:
+    """A token for each of ``x``'s rows ``rows`` (``x``: ``[B, V]`` processed logits),
+    drawn with that row's settings (``temperature`` > 0; ``top_k`` <= 0: off; ``top_p``
+    1: off; ``min_p`` 0: off) at its uniform in [0, 1), by the build for ISA ``level``
+    (default: the best here); None where the kernel cannot take ``x`` (then sample with
+    PyTorch)."""
+    lib = native_sample(level)
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.dim() != 2
+        or x.stride(1) != 1
+    ):
+        return None
+    n = len(rows)
+    idx = np.asarray(rows, np.int64)
+    temps = np.asarray(temperature, np.float32)
+    ks = np.asarray(top_k, np.int64)
+    ps = np.asarray(top_p, np.float32)
+    mins = np.asarray(min_p, np.float32)
+    us = np.asarray(uniforms, np.float64)
+    out = np.empty(n, np.int64)
+    threads = max(1, min(torch.get_num_threads(), n // _ROWS_PER_THREAD))
+    rc = lib.actorlm_sample_rows(
+        x.data_ptr(), x.stride(0), x.shape[1], idx.ctypes.data, n, temps.ctypes.data,
+        ks.ctypes.data, ps.ctypes.data, mins.ctypes.data, us.ctypes.data, out.ctypes.data,
+        threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("sampling: out of memory for its scratch")
+    return out.tolist()
