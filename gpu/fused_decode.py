@@ -330,12 +330,18 @@ class FusedDecoder:
             return False
         return 0 < rows <= self.max_batch and max(news) <= self.max_new
 
-    def run(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> torch.Tensor:
+    def run(
+        self,
+        seqs: Sequence[SeqSpec],
+        plan: LoraPlan | None = None,
+        on_argmax: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Logits [S, vocab] fp32 of the last new token of each sequence that samples
         (each with its adapter, by ``plan``): one row a token, each attending to the keys
         up to its own; K and V go to the pool. A chunk of a prompt that is not its last
         samples nothing: its logits are computed with the others' (the head reads its
-        weights once for all rows) and left out."""
+        weights once for all rows) and left out. ``on_argmax``: called with the logits
+        and each row's argmax, which the step finds as it makes them."""
         ps = self.page_size
         news = np.fromiter((len(s.input_ids) for s in seqs), np.int64, len(seqs))
         B = int(news.sum())
@@ -373,8 +379,15 @@ class FusedDecoder:
         cascade = None
         if self.cascade and not extends:
             cascade = Cascade.find(pages, lens, ps, self._chunk_rows)
-        logits = self.step(tokens, cos, sin, slots, pages, lens, threads, rows, last, cascade)
+        picks = None if on_argmax is None else torch.empty(len(seqs), dtype=torch.int64)
+        logits = self.step(
+            tokens, cos, sin, slots, pages, lens, threads, rows, last, cascade, picks
+        )
         self.threads.record(B, threads, time.perf_counter() - t0)
         if not all(s.sample for s in seqs):
-            logits = logits[[i for i, s in enumerate(seqs) if s.sample]]
+            keep = [i for i, s in enumerate(seqs) if s.sample]
+            logits = logits[keep]
+            picks = None if picks is None else picks[keep]
+        if on_argmax is not None and picks is not None:
+            on_argmax(logits, picks)
         return logits

@@ -141,6 +141,7 @@ class ModelRunner:
         from .sampling import Sampler
 
         self.sampler = Sampler(info.vocab_size, self.device)
+        self._argmax_wanted = False  # this step's rows all greedy (forward sets it)
         self._last: dict[str, int] = {}  # each sequence's last sampled token (PENDING_TOKEN)
         self._prompt_lens: dict[str, int] = {}  # rid → prompt length, while it runs
         # Structured output: the worker sets this (it knows the tokenizer); None serves none.
@@ -236,9 +237,12 @@ class ModelRunner:
                     fill = grammars.fill_async([rids[i] for i in constrained])
             if self.lora is not None:
                 self.lora.plan = plan
+            # a greedy step with nothing to apply: the fused step finds the argmax itself
+            self._argmax_wanted = bool(rids) and fill is None and self.sampler.argmax_only(rids)
             try:
                 logits = self.forward_logits(seqs)
             finally:
+                self._argmax_wanted = False
                 if self.lora is not None:
                     self.lora.plan = None
             if rids:
@@ -313,7 +317,8 @@ class ModelRunner:
             return self.graphs.run(seqs)
         plan = None if self.lora is None else self.lora.plan
         if self.fused is not None and self.fused.accepts(seqs, plan):
-            return self.fused.run(seqs, plan)
+            offer = self.sampler.offer_argmax if self._argmax_wanted else None
+            return self.fused.run(seqs, plan, offer)
         meta = ForwardMeta.build(seqs, self.pool.page_size, "cpu", self.layer_windows, self.softcap)
         if self.device.type != "cpu":
             meta = upload_meta(meta, self.device)  # pinned, non-blocking

@@ -149,6 +149,7 @@ class Sampler:
         self.device = torch.device(device)
         self._seqs: dict[str, _Seq] = {}
         self._pool = _PenaltyPool(vocab_size, self.device)
+        self._offer: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -186,6 +187,22 @@ class Sampler:
         stops = {*init.eos_token_ids, *init.sampling.stop_token_ids}
         return sorted(t for t in stops if 0 <= t < self.vocab_size)
 
+    def argmax_only(self, rids: list[str]) -> bool:
+        """Whether ``sample`` takes these rows' argmax and nothing else (greedy, with nothing
+        to apply), so that a step may find it as it makes the logits (``offer_argmax``).
+        Never where ``sample`` is hooked or overridden: that code sees the logits first."""
+        if type(self).sample is not _OWN_SAMPLE:
+            return False
+        seqs = [self._seqs.get(rid) for rid in rids]
+        return all(s is not None and s.plain and not s.banning for s in seqs)
+
+    def offer_argmax(self, logits: torch.Tensor, picks: torch.Tensor) -> None:
+        """``picks``: the argmax of each row of ``logits`` (``torch.argmax``'s), found by
+        the step that made them (the fused decode step, in its own threads' caches). The
+        next ``sample`` of these very logits without masks takes them instead of reading
+        the logits again."""
+        self._offer = (logits, picks)
+
     def release_all(self) -> None:
         for rid in list(self._seqs):
             self.release(rid)
@@ -222,8 +239,14 @@ class Sampler:
             # The common case: 1 kernel, 1 sync. Grammar masks are read where the argmax
             # compares (no masked copy of the batch); on the CPU the C argmax serves
             # free and masked rows alike (~10x torch.argmax's speed, the same picks).
-            row_masks = [masks.get(i) for i in range(len(rids))] if masks else [None] * len(rids)
-            argmax: list[int] = masked_argmax(logits, row_masks).tolist()
+            offer, self._offer = self._offer, None
+            if offer is not None and not masks and offer[0] is logits:
+                argmax: list[int] = offer[1].tolist()  # found where the logits were made
+            else:
+                row_masks = (
+                    [masks.get(i) for i in range(len(rids))] if masks else [None] * len(rids)
+                )
+                argmax = masked_argmax(logits, row_masks).tolist()
             for s in seqs:
                 s.generated += 1
             return [SeqResult(rid, tok) for rid, tok in zip(rids, argmax, strict=True)]
@@ -406,3 +429,7 @@ class Sampler:
             )
             res = results[i]
             results[i] = SeqResult(res.rid, res.token_id, chosen[j], tops)
+
+
+# actorlm's own ``Sampler.sample``: a plugin that hooks or overrides it gets no shortcut
+_OWN_SAMPLE = Sampler.sample

@@ -75,7 +75,7 @@ def native_step(level: str = "") -> Any | None:
     if lib is None:
         return None
     step = lib.actorlm_decode_step
-    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _T]  # fmt: skip
+    step.argtypes = [ctypes.POINTER(_Model), _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _T]  # fmt: skip
     step.restype = ctypes.c_int
     attn = lib.actorlm_paged_decode_kv
     attn.argtypes = [_P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _T]  # fmt: skip
@@ -360,6 +360,7 @@ class DecodeStep:
         row_slots: torch.Tensor | None = None,
         head_rows: np.ndarray | None = None,
         cascade: Cascade | None = None,
+        picks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
         [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
@@ -369,7 +370,9 @@ class DecodeStep:
         ascending: rows may be consecutive tokens of one sequence (each row's K and V
         reach the pool before any row attends), and only these N get logits [N, vocab].
         ``cascade``: rows whose contexts begin in the same pages (decodes alone, no
-        ``head_rows``), which then read those pages once a chunk of rows."""
+        ``head_rows``), which then read those pages once a chunk of rows. ``picks``:
+        an int64 tensor of one entry a logits row that gets each row's argmax
+        (``torch.argmax``'s answer), found as the head makes the logits."""
         B = tokens.shape[0]
         lora = None
         if row_slots is not None:
@@ -384,13 +387,17 @@ class DecodeStep:
                 raise ValueError("head_rows must be contiguous int64")
             heads, n_head = head_rows.ctypes.data, len(head_rows)
         logits = torch.empty(n_head, self.vocab)
+        if picks is not None and (
+            picks.dtype != torch.int64 or picks.shape != (n_head,) or not picks.is_contiguous()
+        ):
+            raise ValueError(f"picks must be [{n_head}] int64")
         rc = self._fn(
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,
             int(seq_lens.max()), logits.data_ptr(), None if lora is None else lora.data_ptr(),
             (2 if self.extend_flash else 1) if heads is not None else 0, heads, n_head,
             *Cascade.args(cascade if heads is None else None),
-            threads or torch.get_num_threads(),
+            None if picks is None else picks.data_ptr(), threads or torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode step: out of memory for its scratch")

@@ -306,3 +306,40 @@ def test_release_and_unknown_rid() -> None:
         sampler.add(f"p{i}", init([i % 8], temperature=0.0, repetition_penalty=2.0))
     out = sampler.sample([f"p{i}" for i in range(40)], torch.ones(40, 8))
     assert all(r.token_id != i % 8 for i, r in enumerate(out))
+
+
+def test_an_offered_argmax_serves_the_same_logits_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's argmax, offered with its logits, is what the next greedy sample of those
+    very logits returns (here a deliberately different pick, to see it taken); other
+    logits, masks, or a row with something to apply read the logits. A hooked or
+    overridden ``sample`` sees the logits first: no shortcut is asked for."""
+    sampler = Sampler(50, CPU)
+    for rid in ("a", "b"):
+        sampler.add(rid, init([1], temperature=0.0))
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(5))
+    assert sampler.argmax_only(["a", "b"])
+    sampler.offer_argmax(logits, torch.tensor([3, 4]))
+    assert [r.token_id for r in sampler.sample(["a", "b"], logits)] == [3, 4]
+    assert [r.token_id for r in sampler.sample(["a", "b"], logits)] == logits.argmax(-1).tolist()
+    sampler.offer_argmax(logits, torch.tensor([3, 4]))
+    other = logits.clone()
+    assert [r.token_id for r in sampler.sample(["a", "b"], other)] == logits.argmax(-1).tolist()
+    sampler.offer_argmax(logits, torch.tensor([3, 4]))
+    mask = torch.zeros(2, dtype=torch.int32)
+    mask[0] = 1 << 9  # token 9 alone
+    out = sampler.sample(["a", "b"], logits, {0: mask})
+    assert [r.token_id for r in out] == [9, int(logits[1].argmax())]
+
+    sampler.add("c", init([1], temperature=0.0, logit_bias={2: 5.0}))
+    assert not sampler.argmax_only(["a", "c"])
+
+    class Mine(Sampler):
+        def sample(self, *args: Any, **kw: Any) -> Any:
+            return super().sample(*args, **kw)
+
+    mine = Mine(50, CPU)
+    mine.add("a", init([1], temperature=0.0))
+    assert not mine.argmax_only(["a"])
+    hooked = Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, *a, **k: hooked(self, *a, **k))
+    assert not sampler.argmax_only(["a", "b"])

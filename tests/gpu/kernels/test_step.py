@@ -467,3 +467,51 @@ def test_the_team_size_follows_the_measured_step_times() -> None:
         assert chooser.pick(3) == 4  # each batch size learns on its own
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("head", ["model", "ties", "nan"])
+def test_the_step_finds_each_rows_argmax(
+    tiny_llama: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    threads: int,
+    head: str,
+) -> None:
+    """The argmax each thread finds over its columns of the logits as the head makes
+    them, merged, is torch.argmax of the step's logits: on the model's own head, on one
+    whose every row is the same (every logit ties: the first token), and on one with NaN
+    rows in both threads' columns (the first NaN)."""
+    path = tiny_llama
+    if head != "model":
+        model = hf_model(tiny_llama)
+        with torch.no_grad():
+            w = model.get_output_embeddings().weight
+            vocab = w.shape[0]
+            if head == "ties":
+                w.copy_(w[7].expand_as(w))
+            else:
+                w[vocab - 3] = w[vocab // 2 + 1] = w[vocab - 9] = float("nan")
+        path = tmp_path / head
+        model.save_pretrained(str(path))
+        for f in tiny_llama.glob("tokenizer*"):
+            (path / f.name).write_bytes(f.read_bytes())
+    runner = make_runner(path)
+    fused = runner.fused
+    assert fused is not None
+    monkeypatch.setattr(fused.threads, "pick", lambda batch: threads)
+    pages = iter(range(runner.pool.num_pages))
+    tables = [[next(pages) for _ in range(4)] for _ in PROMPTS]
+    for i, p in enumerate(PROMPTS):
+        runner.run([SeqSpec(p, 0, tables[i])])
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for step in range(3):  # tokens of their own: a NaN row's embedding would spread
+        seqs = [SeqSpec([3 + step], len(p) + step, tables[i]) for i, p in enumerate(PROMPTS)]
+        logits = fused.run(seqs, None, lambda lg, picks: seen.append((lg, picks)))
+        assert seen[-1][0] is logits
+    for logits, picks in seen:
+        assert torch.equal(picks, logits.argmax(dim=-1))
+        if head == "ties":
+            assert picks.tolist() == [0] * len(PROMPTS)
+        if head == "nan":
+            assert picks.tolist() == [vocab // 2 + 1] * len(PROMPTS)
