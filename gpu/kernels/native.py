@@ -178,14 +178,16 @@ def load(source: Path, level: str = "") -> ctypes.CDLL | None:
     return ctypes.CDLL(str(lib))
 
 
-def bind(source: Path, signatures: dict[str, list[Any]], level: str = "") -> ctypes.CDLL | None:
+def bind(
+    source: Path, signatures: dict[str, list[Any]], level: str = "", restype: Any = None
+) -> ctypes.CDLL | None:
     """``load(source, level)`` with the argument types of its named functions set (each
-    returns void), or None when it cannot be built here."""
+    returning ``restype``: void by default), or None when it cannot be built here."""
     lib = load(source, level)
     if lib is not None:
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 

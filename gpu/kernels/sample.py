@@ -33,12 +33,12 @@ _ROWS_PER_THREAD = 4  # a row is ~20-60 us at a 49k vocabulary: a team pays from
 def native_sample(level: str = "") -> Any | None:
     """The compiled kernel for ISA ``level`` (default: the best here), or None where it
     cannot be built."""
-    lib = native.load(Path(__file__).with_name("cpu_sample.c"), level)
-    if lib is not None:
-        fn = lib.actorlm_sample_rows
-        fn.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _T]
-        fn.restype = ctypes.c_int
-    return lib
+    return native.bind(
+        Path(__file__).with_name("cpu_sample.c"),
+        {"actorlm_sample_rows": [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _T]},
+        level,
+        ctypes.c_int,
+    )
 
 
 def sample_rows(
