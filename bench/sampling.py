@@ -32,6 +32,7 @@ from actorlm.messages.step import SeqInit  # noqa: E402
 
 from bench import machine  # noqa: E402
 
+PROMPT = [(7 * i) % 1000 + 1 for i in range(300)]  # 250 prompt tokens, 50 out: penalties' history
 SETTINGS: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},
     "temperature 1": {"temperature": 1.0},
@@ -39,6 +40,15 @@ SETTINGS: dict[str, dict[str, float]] = {
     "top_k 50": {"temperature": 1.0, "top_k": 50},
     "min_p 0.05": {"temperature": 1.0, "min_p": 0.05},
     "top_k 40, top_p 0.9, t 0.7": {"temperature": 0.7, "top_k": 40, "top_p": 0.9},
+    # the rest beside top_p 0.95: only the draw differs between the columns
+    "+ repetition_penalty 1.1": {"temperature": 1.0, "top_p": 0.95, "repetition_penalty": 1.1},
+    "+ frequency 0.5, presence 0.3": {
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+    },
+    "+ logprobs, top 5": {"temperature": 1.0, "top_p": 0.95, "logprobs": True, "top_logprobs": 5},
 }
 
 
@@ -61,7 +71,8 @@ def step_ms(
     sampler = Sampler(vocab, torch.device("cpu"))
     rids = [f"r{i}" for i in range(batch)]
     for rid in rids:
-        sampler.add(rid, SeqInit(sampling=SamplingParams(**params), token_ids=[1, 2], prompt_len=2))
+        init = SeqInit(sampling=SamplingParams(**params), token_ids=PROMPT, prompt_len=250)
+        sampler.add(rid, init)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)) * scale
     own = sampling.native_sample
     if path == "torch":

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..messages.sampling import SamplingParams
@@ -66,58 +67,95 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(z).scatter_(-1, order, sorted_z)
 
 
+class _Seen:
+    """The tokens one penalized sequence has seen (prompt and output), each once, and how
+    often each came out; arrays that grow by doubling as tokens come out."""
+
+    def __init__(self, token_ids: Sequence[int], prompt_len: int, vocab_size: int) -> None:
+        ids = np.asarray(token_ids, np.int64)
+        ok = (ids >= 0) & (ids < vocab_size)  # padded vocabs: ignore, never crash
+        uniq = np.unique(ids[ok])
+        out = ids[prompt_len:]
+        out = out[(out >= 0) & (out < vocab_size)]
+        self.n = len(uniq)
+        self.ids = np.zeros(max(16, 2 * self.n), np.int64)
+        self.counts = np.zeros(len(self.ids), np.int32)
+        self.ids[: self.n] = uniq
+        np.add.at(self.counts, np.searchsorted(uniq, out), 1)
+        self.at = {int(t): i for i, t in enumerate(uniq)}
+        self.vocab_size = vocab_size
+
+    def record(self, token: int) -> None:
+        i = self.at.get(token)
+        if i is None:
+            if not 0 <= token < self.vocab_size:
+                return
+            if self.n == len(self.ids):
+                self.ids = np.resize(self.ids, 2 * self.n)
+                self.counts = np.resize(self.counts, 2 * self.n)
+            i = self.at[token] = self.n
+            self.ids[i], self.counts[i] = token, 0
+            self.n += 1
+        self.counts[i] += 1
+
+
 class _PenaltyPool:
-    """Token counts of penalized sequences, one row ("slot") each, so a step applies and
-    updates every row with a few batched kernels instead of one per sequence."""
+    """The tokens each penalized sequence has seen, with their output counts, one slot
+    each, kept sparse: a step gathers, penalizes and writes back those tokens' logits
+    alone (a few hundred a row) in one batched gather and scatter. The dense [slots, V]
+    counts and masks they replace cost ~3 ms a row at a 49k vocabulary (2-core Xeon)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
-        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)  # prompt + output
+        self._slots: list[_Seen | None] = []
         self._free: list[int] = []
 
     def alloc(self, token_ids: Sequence[int], prompt_len: int) -> int:
         if not self._free:
-            old = self.output_counts.shape[0]
-            new = max(16, 2 * old)
-            self.output_counts = torch.cat(
-                [self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)]
-            )
-            self.seen = torch.cat([self.seen, self.seen.new_zeros(new - old, self.vocab_size)])
-            self._free = list(range(new - 1, old - 1, -1))
+            self._free.append(len(self._slots))
+            self._slots.append(None)
         slot = self._free.pop()
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        ids = ids[(ids >= 0) & (ids < self.vocab_size)]  # padded vocabs: ignore, never crash
-        out = torch.tensor(token_ids[prompt_len:], dtype=torch.long, device=self.device)
-        out = out[(out >= 0) & (out < self.vocab_size)]
-        self.output_counts[slot] = torch.bincount(out, minlength=self.vocab_size).to(torch.int32)
-        self.seen[slot] = False
-        self.seen[slot, ids] = True
+        self._slots[slot] = _Seen(token_ids, prompt_len, self.vocab_size)
         return slot
 
     def free(self, slot: int) -> None:
+        self._slots[slot] = None
         self._free.append(slot)
 
     def apply(
         self,
         x: torch.Tensor,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-        rep: torch.Tensor,
-        freq: torch.Tensor,
-        pres: torch.Tensor,
+        rows: list[int],
+        slots: list[int],
+        rep: list[float],
+        freq: list[float],
+        pres: list[float],
     ) -> None:
-        z = x[rows]
-        counts = self.output_counts[slots].to(z.dtype)
-        rep = rep.unsqueeze(-1)
-        z = torch.where(self.seen[slots], torch.where(z > 0, z / rep, z * rep), z)
-        z -= freq.unsqueeze(-1) * counts + pres.unsqueeze(-1) * (counts > 0).to(z.dtype)
-        x[rows] = z
+        """Rows ``rows`` of ``x``, in place: HF's repetition penalty on every token seen,
+        OpenAI's frequency and presence penalties on the output's."""
+        seen = [self._slots[s] for s in slots]
+        assert all(s is not None for s in seen)
+        lens = [s.n for s in seen if s is not None]
+        ids = np.concatenate([s.ids[: s.n] for s in seen if s is not None])
+        counts = np.concatenate([s.counts[: s.n] for s in seen if s is not None])
 
-    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.output_counts[slots, tokens] += 1  # slots are distinct within a step
-        self.seen[slots, tokens] = True
+        def each(values: list[float] | list[int], dtype: type) -> torch.Tensor:
+            return torch.from_numpy(np.repeat(np.asarray(values, dtype), lens)).to(x.device)
+
+        r, c = each(rows, np.int64), torch.from_numpy(ids).to(x.device)
+        n = torch.from_numpy(counts).to(x.device, x.dtype)
+        z = x[r, c]
+        rp = each(rep, np.float32)
+        z = torch.where(z > 0, z / rp, z * rp)
+        z -= each(freq, np.float32) * n + each(pres, np.float32) * (n > 0).to(z.dtype)
+        x[r, c] = z
+
+    def record(self, slots: list[int], tokens: list[int]) -> None:
+        for slot, token in zip(slots, tokens, strict=True):
+            seen = self._slots[slot]
+            assert seen is not None
+            seen.record(token)
 
 
 @dataclass(eq=False)
@@ -252,7 +290,7 @@ class Sampler:
             return [SeqResult(rid, tok) for rid, tok in zip(rids, argmax, strict=True)]
 
         lp_idx = [i for i, s in enumerate(seqs) if s.want_logprobs]
-        raw_logprobs = logits[self._rows(lp_idx)].float().log_softmax(dim=-1) if lp_idx else None
+        raw = logits[self._rows(lp_idx)].float() if lp_idx else None  # the model's own
         # rows with nothing to apply read the logits as they are: no [B, V] copy
         applies = masks or any(s.slot >= 0 or s.bias_ids or s.banning or s.processors for s in seqs)
         x = self._process(seqs, logits, masks or {}) if applies else logits.float()
@@ -271,16 +309,15 @@ class Sampler:
         token_list: list[int] = tokens.tolist()
         pen_idx = [i for i, s in enumerate(seqs) if s.slot >= 0]
         if pen_idx:
-            slots = self._rows([seqs[i].slot for i in pen_idx])
-            self._pool.record(slots, tokens[self._rows(pen_idx)])
+            self._pool.record([seqs[i].slot for i in pen_idx], [token_list[i] for i in pen_idx])
         for s, tok in zip(seqs, token_list, strict=True):
             s.generated += 1
             if s.tokens is not None:
                 s.tokens.append(tok)
 
         results = [SeqResult(rid, tok) for rid, tok in zip(rids, token_list, strict=True)]
-        if raw_logprobs is not None:
-            self._attach_logprobs(results, seqs, lp_idx, raw_logprobs, tokens)
+        if raw is not None:
+            self._attach_logprobs(results, seqs, lp_idx, raw, tokens)
         return results
 
     def processed_logits(
@@ -306,11 +343,11 @@ class Sampler:
             ps = [seqs[i].params for i in pen_idx]
             self._pool.apply(
                 x,
-                self._rows(pen_idx),
-                self._rows([seqs[i].slot for i in pen_idx]),
-                self._floats([p.repetition_penalty for p in ps]),
-                self._floats([p.frequency_penalty for p in ps]),
-                self._floats([p.presence_penalty for p in ps]),
+                pen_idx,
+                [seqs[i].slot for i in pen_idx],
+                [p.repetition_penalty for p in ps],
+                [p.frequency_penalty for p in ps],
+                [p.presence_penalty for p in ps],
             )
 
         # Every row's bias and bans go in as one scatter each, not one kernel per row.
@@ -412,14 +449,18 @@ class Sampler:
         raw: torch.Tensor,
         tokens: torch.Tensor,
     ) -> None:
+        """Rows ``lp_idx``'s log-probabilities under the raw logits ``raw`` (theirs): a
+        logit less its row's logsumexp, for the chosen token and the top ones (no
+        log_softmax of [R, V] written and read again)."""
         rows = torch.tensor(lp_idx, dtype=torch.long, device=tokens.device)
-        chosen = raw.gather(1, tokens[rows].unsqueeze(-1)).squeeze(-1).tolist()
+        lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+        chosen = (raw.gather(1, tokens[rows].unsqueeze(-1)) - lse).squeeze(-1).tolist()
         n_top = max(seqs[i].params.top_logprobs for i in lp_idx)
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if n_top > 0:
             vals, ids = raw.topk(n_top, dim=-1)  # sorted, best first
-            top_vals, top_ids = vals.tolist(), ids.tolist()
+            top_vals, top_ids = (vals - lse).tolist(), ids.tolist()
         for j, i in enumerate(lp_idx):
             n = seqs[i].params.top_logprobs
             tops = (

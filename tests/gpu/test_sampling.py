@@ -343,3 +343,48 @@ def test_an_offered_argmax_serves_the_same_logits_only(monkeypatch: pytest.Monke
     hooked = Sampler.sample
     monkeypatch.setattr(Sampler, "sample", lambda self, *a, **k: hooked(self, *a, **k))
     assert not sampler.argmax_only(["a", "b"])
+
+
+def test_penalties_of_a_batch_match_the_dense_formula() -> None:
+    """Penalized rows beside a plain one over 40 greedy steps (each row's seen tokens
+    outgrow their first arrays), one released at step 20 and its slot taken by a new
+    row, ids outside the vocabulary in a prompt: every step's processed logits are
+    the formula's over the whole vocabulary (HF's repetition penalty on every token
+    seen, OpenAI's frequency and presence penalties on the output's)."""
+    vocab = 64
+    g = torch.Generator().manual_seed(0)
+    params: dict[str, dict[str, float]] = {
+        "a": {"repetition_penalty": 1.3},
+        "b": {"frequency_penalty": 0.4, "presence_penalty": 0.2},
+        "c": {},
+        "d": {"repetition_penalty": 0.8, "frequency_penalty": -0.3},
+        "e": {"repetition_penalty": 1.1, "presence_penalty": 1.0},
+    }
+    prompts = {"a": [1, 2, 2, 70, -1], "b": [5], "c": [1], "d": list(range(30)), "e": [9, 9]}
+    sampler = Sampler(vocab, CPU)
+    history: dict[str, list[int]] = {}
+    for rid in "abcd":
+        sampler.add(rid, init(prompts[rid], temperature=0.0, **params[rid]))
+        history[rid] = []
+    for step in range(40):
+        if step == 20:
+            sampler.release("b")
+            del history["b"]
+            sampler.add("e", init(prompts["e"], temperature=0.0, **params["e"]))
+            history["e"] = []
+        rids = list(history)
+        logits = torch.randn(len(rids), vocab, generator=g) * 3
+        want = logits.clone()
+        for i, rid in enumerate(rids):
+            p = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+            p |= params[rid]
+            outs = history[rid]
+            for t in {*prompts[rid], *outs} & set(range(vocab)):
+                z = want[i, t].item()
+                z = z / p["repetition_penalty"] if z > 0 else z * p["repetition_penalty"]
+                n = outs.count(t)
+                want[i, t] = z - p["frequency_penalty"] * n - p["presence_penalty"] * (n > 0)
+        assert torch.allclose(sampler.processed_logits(rids, logits), want, atol=1e-5), step
+        for i, res in enumerate(sampler.sample(rids, logits)):
+            assert res.token_id == int(want[i].argmax())
+            history[rids[i]].append(res.token_id)
