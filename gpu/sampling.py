@@ -449,18 +449,17 @@ class Sampler:
         raw: torch.Tensor,
         tokens: torch.Tensor,
     ) -> None:
-        """Rows ``lp_idx``'s log-probabilities under the raw logits ``raw`` (theirs): a
-        logit less its row's logsumexp, for the chosen token and the top ones (no
-        log_softmax of [R, V] written and read again)."""
+        """Rows ``lp_idx``'s log-probabilities under the raw logits ``raw`` (theirs), for
+        the chosen token and the top ones."""
         rows = torch.tensor(lp_idx, dtype=torch.long, device=tokens.device)
-        lse = torch.logsumexp(raw, dim=-1, keepdim=True)
-        chosen = (raw.gather(1, tokens[rows].unsqueeze(-1)) - lse).squeeze(-1).tolist()
+        logprobs = raw.log_softmax(dim=-1)  # faster than a logsumexp here (torch 2.13, CPU)
+        chosen = logprobs.gather(1, tokens[rows].unsqueeze(-1)).squeeze(-1).tolist()
         n_top = max(seqs[i].params.top_logprobs for i in lp_idx)
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if n_top > 0:
-            vals, ids = raw.topk(n_top, dim=-1)  # sorted, best first
-            top_vals, top_ids = (vals - lse).tolist(), ids.tolist()
+            vals, ids = logprobs.topk(n_top, dim=-1)  # sorted, best first
+            top_vals, top_ids = vals.tolist(), ids.tolist()
         for j, i in enumerate(lp_idx):
             n = seqs[i].params.top_logprobs
             tops = (
