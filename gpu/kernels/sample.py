@@ -5,9 +5,9 @@ seed alone).
 
 PyTorch's way, which ``gpu/sampling.py`` keeps for other devices, sorts the whole
 vocabulary for top-k/top-p and draws an exponential a token for Gumbel-max; the kernel
-makes a few vectorized passes over a row and sorts only the tokens a cut can keep. It
-takes fp32 CPU logits with unit column stride; anything else, or ``ACTORLM_NATIVE=0``,
-gets None and the caller takes the PyTorch path.
+makes a few vectorized passes over a row and sorts nothing (a cut's weight is found by
+bisection). It takes fp32 CPU logits with unit column stride; anything else, or
+``ACTORLM_NATIVE=0``, gets None and the caller takes the PyTorch path.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ def sample_rows(
     n = len(rows)
     idx = np.asarray(rows, np.int64)
     temps = np.asarray(temperature, np.float32)
+    if n and (idx.min() < 0 or idx.max() >= x.shape[0] or not (temps > 0).all()):
+        raise ValueError("rows out of range, or a temperature not above 0 (greedy rows argmax)")
     ks = np.asarray(top_k, np.int64)
     ps = np.asarray(top_p, np.float32)
     mins = np.asarray(min_p, np.float32)

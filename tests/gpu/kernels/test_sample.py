@@ -112,3 +112,13 @@ def test_refuses_what_it_cannot_read() -> None:
     assert sample.sample_rows(x.half(), *args) is None
     assert sample.sample_rows(x.t(), *args) is None
     assert sample.sample_rows(x, *args) is not None
+
+
+def test_refuses_rows_it_would_read_out_of_bounds() -> None:
+    """A row index outside ``x`` or a temperature of 0 (a greedy row: argmax) is an
+    error, not a read past the tensor."""
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError):
+        sample.sample_rows(x, [2], [1.0], [0], [1.0], [0.0], [0.5])
+    with pytest.raises(ValueError):
+        sample.sample_rows(x, [0], [0.0], [0], [1.0], [0.0], [0.5])
