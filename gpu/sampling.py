@@ -134,11 +134,10 @@ class _PenaltyPool:
     ) -> None:
         """Rows ``rows`` of ``x``, in place: HF's repetition penalty on every token seen,
         OpenAI's frequency and presence penalties on the output's."""
-        seen = [self._slots[s] for s in slots]
-        assert all(s is not None for s in seen)
-        lens = [s.n for s in seen if s is not None]
-        ids = np.concatenate([s.ids[: s.n] for s in seen if s is not None])
-        counts = np.concatenate([s.counts[: s.n] for s in seen if s is not None])
+        seen = [self._seen(s) for s in slots]
+        lens = [s.n for s in seen]
+        ids = np.concatenate([s.ids[: s.n] for s in seen])
+        counts = np.concatenate([s.counts[: s.n] for s in seen])
 
         def each(values: list[float] | list[int], dtype: type) -> torch.Tensor:
             return torch.from_numpy(np.repeat(np.asarray(values, dtype), lens)).to(x.device)
@@ -153,9 +152,12 @@ class _PenaltyPool:
 
     def record(self, slots: list[int], tokens: list[int]) -> None:
         for slot, token in zip(slots, tokens, strict=True):
-            seen = self._slots[slot]
-            assert seen is not None
-            seen.record(token)
+            self._seen(slot).record(token)
+
+    def _seen(self, slot: int) -> _Seen:
+        seen = self._slots[slot]
+        assert seen is not None, f"penalty slot {slot} is free"
+        return seen
 
 
 @dataclass(eq=False)
@@ -388,14 +390,12 @@ class Sampler:
         if native_sample() is None or x.device.type != "cpu":
             return None
         ps = [s.params for s in seqs]
-        free = [j for j, p in enumerate(ps) if p.seed is None]
-        draws = torch.rand(len(free), dtype=torch.float64).tolist() if free else []
-        uniforms = [0.0] * len(seqs)
-        for j, u in zip(free, draws, strict=True):
-            uniforms[j] = u
-        for j, (s, p) in enumerate(zip(seqs, ps, strict=True)):
-            if p.seed is not None:  # 53 well-mixed bits: a double in [0, 1)
-                uniforms[j] = (_step_seed(p.seed, s.generated) >> 10) / 2.0**53
+        unseeded = sum(p.seed is None for p in ps)
+        draws = iter(torch.rand(unseeded, dtype=torch.float64).tolist())
+        uniforms = [  # a seeded row's: 53 well-mixed bits, a double in [0, 1)
+            next(draws) if p.seed is None else (_step_seed(p.seed, s.generated) >> 10) / 2.0**53
+            for s, p in zip(seqs, ps, strict=True)
+        ]
         out = sample_rows(
             x,
             idx,

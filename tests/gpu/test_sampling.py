@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,12 +30,21 @@ DEVICES = [
 
 
 @pytest.fixture(params=["c", "torch"])
-def draw(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Rows that sample take the C kernel (the CPU's path) or PyTorch's (other devices',
-    and the CPU's without a compiler)."""
+def draw(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Rows that sample take the C kernel (the CPU's path; a test on the CPU must have
+    drawn through it) or PyTorch's (other devices', and the CPU's without a compiler)."""
+    calls = []
     if request.param == "torch":
         monkeypatch.setattr(sampling, "native_sample", lambda level="": None)
-    return str(request.param)
+    else:
+        kernel = sampling.sample_rows
+        monkeypatch.setattr(
+            sampling, "sample_rows", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        )
+    yield str(request.param)
+    params = getattr(request.node, "callspec", None)
+    on_cpu = params is None or params.params.get("device", CPU) == CPU
+    assert request.param == "torch" or not on_cpu or calls, "no row was drawn by the C kernel"
 
 
 def init(

@@ -515,3 +515,44 @@ def test_the_step_finds_each_rows_argmax(
             assert picks.tolist() == [0] * len(PROMPTS)
         if head == "nan":
             assert picks.tolist() == [vocab // 2 + 1] * len(PROMPTS)
+
+
+def test_a_greedy_step_hands_the_sampler_its_argmax(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through ``ModelRunner.forward``: a decode step whose rows are all greedy gives the
+    sampler the step's own argmax, and its tokens are those picks; a step with a sampled
+    row (temperature 1) asks for none."""
+    from actorlm.messages.sampling import SamplingParams
+    from actorlm.messages.step import ForwardBatch, SeqInit, SeqStep
+
+    runner = make_runner(tiny_llama)
+    offers: list[torch.Tensor] = []
+    own = runner.sampler.offer_argmax
+    monkeypatch.setattr(
+        runner.sampler, "offer_argmax", lambda lg, picks: offers.append(picks) or own(lg, picks)
+    )
+    prompts = {"g": PROMPTS[0], "h": PROMPTS[1], "s": PROMPTS[3]}
+    temps = {"g": 0.0, "h": 0.0, "s": 1.0}
+    tables = {rid: [i * 4 + j for j in range(4)] for i, rid in enumerate(prompts)}
+
+    def init(rid: str) -> SeqInit:
+        p = SamplingParams(temperature=temps[rid], seed=1)
+        return SeqInit(sampling=p, token_ids=prompts[rid], prompt_len=len(prompts[rid]))
+
+    def step(n: int, rids: list[str], first: bool) -> dict[str, int]:
+        seqs = [
+            SeqStep(r, prompts[r], 0, tables[r], True, init(r))
+            if first
+            else SeqStep(r, [last[r]], len(prompts[r]), tables[r])
+            for r in rids
+        ]
+        res = runner.forward(ForwardBatch(step_id=n, seqs=seqs, release=[]))
+        return {r.rid: r.token_id for r in res.results}
+
+    last = step(1, list(prompts), True)
+    offers.clear()
+    greedy = step(2, ["g", "h"], False)
+    assert len(offers) == 1 and offers[0].tolist() == [greedy["g"], greedy["h"]]
+    step(3, ["g", "s"], False)
+    assert len(offers) == 1
