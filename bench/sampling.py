@@ -1,6 +1,7 @@
-"""The sampler's time a step on the CPU: the C kernel (``gpu/kernels/sample.py``) against
-the PyTorch path it replaced (a sort of the vocabulary, Gumbel-max), for each sampling
-setting and batch size, over logits of the default model's vocabulary.
+"""The sampler's time a step on the CPU: the C kernels (``gpu/kernels/sample.py``: the
+draw, and the logprobs) against the PyTorch path they replaced (a sort of the vocabulary,
+Gumbel-max; log_softmax and topk), for each sampling setting and batch size, over logits
+of the default model's vocabulary.
 
     python bench/sampling.py                       # batch 1, 8, 32; peaked and flat rows
     python bench/sampling.py --batch-sizes 1,64 --vocab 151936
@@ -49,6 +50,7 @@ SETTINGS: dict[str, dict[str, float]] = {
         "presence_penalty": 0.3,
     },
     "+ logprobs, top 5": {"temperature": 1.0, "top_p": 0.95, "logprobs": True, "top_logprobs": 5},
+    "greedy + logprobs, top 20": {"temperature": 0.0, "logprobs": True, "top_logprobs": 20},
 }
 
 
@@ -74,9 +76,10 @@ def step_ms(
         init = SeqInit(sampling=SamplingParams(**params), token_ids=PROMPT, prompt_len=250)
         sampler.add(rid, init)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)) * scale
-    own = sampling.native_sample
+    own, own_lp = sampling.native_sample, sampling.logprob_rows
     if path == "torch":
         sampling.native_sample = lambda level="": None  # type: ignore[assignment]
+        sampling.logprob_rows = lambda *a, **k: None  # type: ignore[assignment]
     try:
         sampler.sample(rids, logits)
         times = []
@@ -85,7 +88,7 @@ def step_ms(
             sampler.sample(rids, logits)
             times.append(time.perf_counter() - t0)
     finally:
-        sampling.native_sample = own  # type: ignore[assignment]
+        sampling.native_sample, sampling.logprob_rows = own, own_lp  # type: ignore[assignment]
     return statistics.median(times) * 1e3
 
 

@@ -35,7 +35,7 @@ import torch
 from ..messages.sampling import SamplingParams
 from ..messages.step import SeqInit, SeqResult, TopLogprob
 from .kernels.bitmask import apply_masks_, masked_argmax
-from .kernels.sample import native_sample, sample_rows
+from .kernels.sample import LogprobRows, logprob_rows, native_sample, sample_rows
 from .logit_processors import LogitProcessor, build_processors
 
 __all__ = ["Sampler"]
@@ -292,7 +292,6 @@ class Sampler:
             return [SeqResult(rid, tok) for rid, tok in zip(rids, argmax, strict=True)]
 
         lp_idx = [i for i, s in enumerate(seqs) if s.want_logprobs]
-        raw = logits[self._rows(lp_idx)].float() if lp_idx else None  # the model's own
         # rows with nothing to apply read the logits as they are: no [B, V] copy
         applies = masks or any(s.slot >= 0 or s.bias_ids or s.banning or s.processors for s in seqs)
         x = self._process(seqs, logits, masks or {}) if applies else logits.float()
@@ -318,8 +317,8 @@ class Sampler:
                 s.tokens.append(tok)
 
         results = [SeqResult(rid, tok) for rid, tok in zip(rids, token_list, strict=True)]
-        if raw is not None:
-            self._attach_logprobs(results, seqs, lp_idx, raw, tokens)
+        if lp_idx:  # of the model's own logits, which nothing above writes to
+            self._attach_logprobs(results, seqs, lp_idx, logits, token_list)
         return results
 
     def processed_logits(
@@ -441,34 +440,45 @@ class Sampler:
                 noise[i] = torch.empty(vocab, device=z.device).exponential_(generator=s.generator)
         return (z - noise.clamp_min_(1e-20).log_()).argmax(dim=-1)
 
-    @staticmethod
     def _attach_logprobs(
+        self,
         results: list[SeqResult],
         seqs: list[_Seq],
         lp_idx: list[int],
-        raw: torch.Tensor,
-        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        tokens: list[int],
     ) -> None:
-        """Rows ``lp_idx``'s log-probabilities under the raw logits ``raw`` (theirs), for
-        the chosen token and the top ones."""
-        rows = torch.tensor(lp_idx, dtype=torch.long, device=tokens.device)
-        logprobs = raw.log_softmax(dim=-1)  # faster than a logsumexp here (torch 2.13, CPU)
-        chosen = logprobs.gather(1, tokens[rows].unsqueeze(-1)).squeeze(-1).tolist()
-        n_top = max(seqs[i].params.top_logprobs for i in lp_idx)
-        top_vals: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        if n_top > 0:
-            vals, ids = logprobs.topk(n_top, dim=-1)  # sorted, best first
-            top_vals, top_ids = vals.tolist(), ids.tolist()
+        """Rows ``lp_idx``'s log-probabilities under the raw ``logits``, for the chosen
+        token and the top ones: in C on the CPU (two passes over a row), else torch's
+        log_softmax and topk."""
+        n_top = min(max(seqs[i].params.top_logprobs for i in lp_idx), logits.shape[-1])
+        chosen_ids = [tokens[i] for i in lp_idx]
+        got = None
+        if logits.device.type == "cpu":
+            fp32 = logits.dtype == torch.float32
+            src = logits if fp32 else logits[self._rows(lp_idx)].float()
+            got = logprob_rows(src, lp_idx if fp32 else range(len(lp_idx)), chosen_ids, n_top)
+        if got is None:  # other devices and dtypes, and rows with NaN or too few finite values
+            logprobs = logits[self._rows(lp_idx)].float().log_softmax(dim=-1)
+            ids = torch.tensor(chosen_ids, dtype=torch.long, device=logits.device)
+            top = logprobs.topk(n_top, dim=-1)  # sorted, best first
+            got = LogprobRows(
+                logprobs.gather(1, ids.unsqueeze(-1)).squeeze(-1).tolist(),
+                top.indices.tolist(),
+                top.values.tolist(),
+            )
         for j, i in enumerate(lp_idx):
-            n = seqs[i].params.top_logprobs
+            n = min(seqs[i].params.top_logprobs, n_top)
             tops = (
-                [TopLogprob(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n], strict=True)]
+                [
+                    TopLogprob(t, v)
+                    for t, v in zip(got.top_ids[j][:n], got.top_vals[j][:n], strict=True)
+                ]
                 if n
                 else None
             )
             res = results[i]
-            results[i] = SeqResult(res.rid, res.token_id, chosen[j], tops)
+            results[i] = SeqResult(res.rid, res.token_id, got.chosen[j], tops)
 
 
 # actorlm's own ``Sampler.sample``: a plugin that hooks or overrides it gets no shortcut

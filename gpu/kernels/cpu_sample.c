@@ -20,7 +20,12 @@
  *
  * Weights below exp(-87) (a banned token's -inf among them) are 0: never drawn. A row
  * with a NaN, or with nothing above -inf, answers as torch.argmax does (the first NaN,
- * or 0). */
+ * or 0).
+ *
+ * Log-probabilities (actorlm_logprob_rows) take two passes over a row of raw logits in
+ * place of torch's log_softmax, gather and topk over copies of [R, V]: the first keeps
+ * the k best as they go by (the largest of them is the row's max), the second sums
+ * exp(z - max). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -271,4 +276,89 @@ int actorlm_sample_rows(const float *x, int64_t stride, int64_t vocab, const int
         free(blocks);
     }
     return failed ? -1 : 0;
+}
+
+/* Whether any lane of h is set */
+static inline int any_lane(vi h) {
+#if VW == 16
+    return _mm512_test_epi32_mask((__m512i)h, (__m512i)h) != 0;
+#elif defined(__AVX2__)
+    return !_mm256_testz_si256((__m256i)h, (__m256i)h);
+#else
+    int any = 0;
+    for (int j = 0; j < VW; j++) any |= h[j];
+    return any;
+#endif
+}
+
+/* Row z's k >= 1 best values, largest first (of equal values the first by id), into
+   vals and ids as the scan goes by: a token goes in where it beats the k-th so far (one
+   compare a vector, a few hundred inserts a row). Returns how many were found above
+   -inf (fewer than k: the row has fewer finite values), or -1 at a NaN. */
+static int64_t row_top(const float *z, int64_t V, int64_t k, float *vals, int64_t *ids) {
+    int64_t have = 0;
+    float thr = -INFINITY;
+    for (int64_t i0 = 0; i0 < V; i0 += 4 * VW) {
+        const int64_t n = V - i0 < 4 * VW ? V - i0 : 4 * VW;
+        if (n == 4 * VW) { /* lanes above the k-th so far, or NaN */
+            const vf *x = (const vf *)(z + i0);
+            if (!any_lane(~((x[0] <= thr) & (x[1] <= thr) & (x[2] <= thr) & (x[3] <= thr))))
+                continue;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const float v = z[i0 + j];
+            if (v <= thr) continue;
+            if (v != v) return -1;
+            int64_t pos = have < k ? have++ : k - 1;
+            for (; pos > 0 && vals[pos - 1] < v; pos--) vals[pos] = vals[pos - 1], ids[pos] = ids[pos - 1];
+            vals[pos] = v, ids[pos] = i0 + j;
+            if (have == k) thr = vals[k - 1];
+        }
+    }
+    return have;
+}
+
+/* log sum exp of row z, whose largest value m is finite (sums by blocks of BLK in double) */
+static double row_lse(const float *z, int64_t V, float m) {
+    const vf lo = (vf){0} - 87.f;
+    double total = 0;
+    for (int64_t b0 = 0; b0 < V; b0 += BLK) {
+        const int64_t end = b0 + BLK < V ? b0 + BLK : V;
+        vf acc = (vf){0};
+        int64_t i = b0;
+        for (; i + VW <= end; i += VW) {
+            const vf x = *(const vf *)(z + i) - m;
+            acc += (vf)((vi)expv(x) & (x >= lo));
+        }
+        float s = hsumv(acc);
+        for (; i < end; i++) s += z[i] - m >= -87.f ? expf(z[i] - m) : 0.f;
+        total += s;
+    }
+    return m + log(total);
+}
+
+/* Log-probabilities under rows rows[j] of x [*, vocab] (row stride `stride`): chosen[j]
+   token tokens[j]'s, and the k best (top_vals / top_ids [n, k], largest first). 0, or
+   1 where a row has a NaN or no finite maximum, or fewer than k values above -inf (the
+   caller asks torch: its answers there are NaN or ties it orders its own way). */
+int actorlm_logprob_rows(const float *x, int64_t stride, int64_t vocab, const int64_t *rows,
+                         int64_t n, const int64_t *tokens, int64_t k, float *chosen,
+                         float *top_vals, int64_t *top_ids, int threads) {
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j++) {
+        const float *z = x + rows[j] * stride;
+        float *vals = top_vals + j * k;
+        const float m = k ? row_top(z, vocab, k, vals, top_ids + j * k) < k ? NAN : vals[0]
+                          : row_max(z, vocab);
+        if (m != m || isinf(m)) {
+#pragma omp atomic write
+            bad = 1;
+            continue;
+        }
+        const double lse = row_lse(z, vocab, m);
+        chosen[j] = (float)(z[tokens[j]] - lse);
+        for (int64_t i = 0; i < k; i++) vals[i] = (float)(vals[i] - lse);
+    }
+    return bad;
 }

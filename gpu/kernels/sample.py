@@ -16,14 +16,14 @@ import ctypes
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from . import native
 
-__all__ = ["native_sample", "sample_rows"]
+__all__ = ["LogprobRows", "logprob_rows", "native_sample", "sample_rows"]
 
 _P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ROWS_PER_THREAD = 4  # a row is ~20-60 us at a 49k vocabulary: a team pays from a few
@@ -35,7 +35,10 @@ def native_sample(level: str = "") -> Any | None:
     cannot be built."""
     return native.bind(
         Path(__file__).with_name("cpu_sample.c"),
-        {"actorlm_sample_rows": [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _T]},
+        {
+            "actorlm_sample_rows": [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _T],
+            "actorlm_logprob_rows": [_P, _I, _I, _P, _I, _P, _I, _P, _P, _P, _T],
+        },
         level,
         ctypes.c_int,
     )
@@ -84,3 +87,47 @@ def sample_rows(
     if rc != 0:
         raise MemoryError("sampling: out of memory for its scratch")
     return out.tolist()
+
+
+class LogprobRows(NamedTuple):
+    """Log-probabilities of some rows: each row's chosen token's, and its ``k`` best
+    tokens' (ids and values, largest first; of equal values the first by id)."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top_vals: list[list[float]]
+
+
+def logprob_rows(
+    x: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], k: int, level: str = ""
+) -> LogprobRows | None:
+    """``log_softmax`` of ``x``'s rows ``rows`` (``x``: ``[B, V]`` raw logits) at
+    ``tokens`` (one a row) and their ``k`` best, in two passes over a row (its max with
+    the best kept as they go by, then its sum of exp), by the build for ISA ``level``.
+    None where the kernel cannot take ``x`` or a row has a NaN, no finite maximum or fewer
+    than ``k`` values above -inf: torch answers those (its ties, its NaNs)."""
+    lib = native_sample(level)
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.dim() != 2
+        or x.stride(1) != 1
+    ):
+        return None
+    n, vocab = len(rows), x.shape[1]
+    idx = np.asarray(rows, np.int64)
+    toks = np.asarray(tokens, np.int64)
+    if n and (idx.min() < 0 or idx.max() >= x.shape[0] or toks.min() < 0 or toks.max() >= vocab):
+        raise ValueError("rows or tokens out of range")
+    if not 0 <= k <= vocab:
+        raise ValueError(f"k must be in [0, {vocab}], got {k}")
+    chosen = np.empty(n, np.float32)
+    vals = np.empty((n, k), np.float32)
+    ids = np.empty((n, k), np.int64)
+    threads = max(1, min(torch.get_num_threads(), n // _ROWS_PER_THREAD))
+    bad = lib.actorlm_logprob_rows(
+        x.data_ptr(), x.stride(0), vocab, idx.ctypes.data, n, toks.ctypes.data, k,
+        chosen.ctypes.data, vals.ctypes.data, ids.ctypes.data, threads,
+    )  # fmt: skip
+    return None if bad else LogprobRows(chosen.tolist(), ids.tolist(), vals.tolist())

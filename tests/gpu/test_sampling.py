@@ -234,7 +234,23 @@ def test_min_new_tokens_bans_eos_and_stop_ids() -> None:
     assert sampler.sample(["r"], logits[:1])[0].token_id == 5
 
 
-def test_logprobs_are_raw_and_top_sorted() -> None:
+@pytest.fixture(params=["c", "torch"])
+def lp_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Log-probabilities by the C kernel (the CPU's path: a test must have used it) or by
+    torch's log_softmax (other devices', NaN rows', and the CPU's without a compiler)."""
+    calls = []
+    kernel = sampling.logprob_rows
+    if request.param == "torch":
+        monkeypatch.setattr(sampling, "logprob_rows", lambda *a, **k: None)
+    else:
+        monkeypatch.setattr(
+            sampling, "logprob_rows", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        )
+    yield str(request.param)
+    assert request.param == "torch" or calls, "no logprobs came from the C kernel"
+
+
+def test_logprobs_are_raw_and_top_sorted(lp_path: str) -> None:
     sampler = Sampler(30, CPU)
     sampler.add(
         "a", init([1], temperature=1.0, logprobs=True, top_logprobs=5, repetition_penalty=1.5)
@@ -254,6 +270,28 @@ def test_logprobs_are_raw_and_top_sorted() -> None:
     )
     assert b.logprob == pytest.approx(raw[1].max().item(), abs=1e-5) and b.top_logprobs is None
     assert c.logprob is None and c.top_logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_of_half_rows_nan_rows_and_small_vocabularies(
+    lp_path: str, dtype: torch.dtype
+) -> None:
+    """bf16 logits (a bf16 model's unfused forward) are widened first; a NaN row is
+    answered as torch answers it (NaN); more top tokens asked than the vocabulary has
+    give the whole vocabulary, sorted, not an error."""
+    sampler = Sampler(10, CPU)
+    for rid in "ab":
+        sampler.add(rid, init([1], temperature=0.0, logprobs=True, top_logprobs=20))
+    logits = (torch.randn(2, 10, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
+    a, b = sampler.sample(["a", "b"], logits)
+    raw = torch.log_softmax(logits.float(), -1)
+    assert a.logprob == pytest.approx(raw[0].max().item(), abs=1e-5)
+    assert a.top_logprobs is not None and len(a.top_logprobs) == 10
+    assert [t.token_id for t in a.top_logprobs] == raw[0].argsort(descending=True).tolist()
+    assert b.top_logprobs is not None and b.top_logprobs[0].token_id == b.token_id
+    logits[1, 3] = float("nan")
+    _, b = sampler.sample(["a", "b"], logits)
+    assert b.logprob is not None and math.isnan(b.logprob)
 
 
 @pytest.mark.parametrize("device", DEVICES)

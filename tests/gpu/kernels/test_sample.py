@@ -122,3 +122,59 @@ def test_refuses_rows_it_would_read_out_of_bounds() -> None:
         sample.sample_rows(x, [2], [1.0], [0], [1.0], [0.0], [0.5])
     with pytest.raises(ValueError):
         sample.sample_rows(x, [0], [0.0], [0], [1.0], [0.0], [0.5])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("k", [0, 1, 20])
+def test_logprobs_match_log_softmax(level: str, k: int) -> None:
+    """Each row's chosen token's log-probability and its k best (ids and values, largest
+    first) against log_softmax in float64; rows read where ``rows`` points, with a row
+    stride; -inf logits are -inf; of equal logits the first ids are the best ones."""
+    g = torch.Generator().manual_seed(k)
+    wide = (torch.randn(4, VOCAB + 40, generator=g, dtype=torch.float64) * 4).float()
+    x = wide[:, :VOCAB]  # row stride VOCAB + 40
+    x[1, :] = torch.randint(0, 5, (VOCAB,), generator=g).float()  # ties everywhere
+    x[2, 100] = x[2, 3] = float("-inf")
+    x[3, -1] = 60.0  # the best at the very end: the tail's
+    rows, tokens = [3, 1, 2, 0, 2], [VOCAB - 1, 7, 100, 12, 5]
+    got = sample.logprob_rows(x, rows, tokens, k, level)
+    assert got is not None
+    ref = torch.log_softmax(x.double(), -1)
+    want = ref[rows, tokens].numpy()
+    assert got.chosen[2] == -np.inf
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(np.asarray(got.chosen)[finite], want[finite], atol=2e-5)
+    for j, r in enumerate(rows):
+        order = np.lexsort((np.arange(VOCAB), -x[r].numpy()))[:k]  # value desc, id asc
+        assert got.top_ids[j] == order.tolist()
+        np.testing.assert_allclose(got.top_vals[j], ref[r, order].numpy(), atol=2e-5)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_logprobs_leave_nan_and_sparse_rows_to_torch(level: str) -> None:
+    """A row with a NaN, one with no finite maximum (+inf, or all -inf), and one with
+    fewer than k values above -inf answer None (torch's NaNs and ties then); without a
+    top a row of two finite values is answered."""
+    x = torch.randn(5, 300)
+    x[0, 9] = float("nan")
+    x[1, 4] = float("inf")
+    x[2] = float("-inf")
+    x[3] = float("-inf")
+    x[3, 5] = x[3, 6] = 1.0
+    for r in range(4):
+        assert sample.logprob_rows(x, [4, r], [0, 5], 3, level) is None
+    got = sample.logprob_rows(x, [3], [5], 2, level)
+    assert got is not None and got.top_ids == [[5, 6]]
+    np.testing.assert_allclose(got.top_vals, [[np.log(0.5)] * 2], atol=1e-6)
+    assert got.chosen == pytest.approx([np.log(0.5)], abs=1e-6)
+
+
+def test_logprobs_refuse_what_they_cannot_read() -> None:
+    """Half precision or a transposed view go to torch (None); a row, token or k outside
+    the logits is an error, not a read past the tensor."""
+    x = torch.randn(2, 64)
+    assert sample.logprob_rows(x.half(), [0], [0], 1) is None
+    assert sample.logprob_rows(x.t(), [0], [0], 1) is None
+    for rows, tokens, k in (([2], [0], 1), ([0], [64], 1), ([0], [-1], 1), ([0], [0], 65)):
+        with pytest.raises(ValueError):
+            sample.logprob_rows(x, rows, tokens, k)
