@@ -175,6 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every request's (0: greedy; OpenAI's default is 1)",
     )
     w.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
+    w.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="every request's logprobs (the completions API's: the N best tokens a position)",
+    )
     load = p.add_argument_group("load")
     load.add_argument("--concurrency", default="1,8,32", help="comma list of levels")
     load.add_argument(
@@ -472,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                 sampling = {"temperature": args.temperature}
                 if args.top_p < 1:
                     sampling["top_p"] = args.top_p
+                if args.logprobs is not None:
+                    sampling["logprobs"] = args.logprobs
                 return sampling | ({} if args.no_ignore_eos else spec.extra_body(n, files))
 
             if spec.name.startswith("actorlm"):  # what it chose: dtype, kernels' ISA
