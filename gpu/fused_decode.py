@@ -14,7 +14,8 @@ A model family opts in with ``register_spec(ModelClass, fn)``: ``fn(model)`` ret
 its ``StepWeights`` (kernels/step.py), or None when this instance cannot be fused
 (another layer shape, a sliding window, a linear method the kernels cannot read).
 Only the exact class registered is fused: a subclass that changes the layer math
-(Qwen3's q/k norms, Gemma's norms) is never taken for its parent.
+(Gemma's norms) is never taken for its parent. Qwen3 registers the Llama spec, which
+reads its per-head q and k norms (the step norms each head before RoPE).
 
 With LoRA (``attach_lora``), steps whose rows use adapters stay fused too: the step
 reads the worker's adapter slots in place (``kernels/lora.py``'s descriptors) and adds
@@ -42,6 +43,7 @@ from .kernels.step import Cascade, DecodeStep, LayerWeights, StepWeights, native
 from .kv_pool import KVPool
 from .models.layers import Attention, GatedMLP, RMSNorm
 from .models.llama import DecoderLayer, LlamaForCausalLM
+from .models.qwen3 import Qwen3ForCausalLM
 from .quantization import native_lin
 
 if TYPE_CHECKING:
@@ -64,7 +66,8 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
 
 
 def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
-    """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2) as step weights."""
+    """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2; Qwen3 with
+    its q and k norms) as step weights."""
     info = model.info
     if len(model.ropes) != 1 or info.final_logit_softcapping:
         return None  # one RoPE table, uncapped logits (windows: FusedDecoder.build refuses)
@@ -76,10 +79,16 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, GatedMLP):
             return None
-        if attn.q_norm is not None or attn.rotary_dim != info.head_dim or mlp.act != "silu":
+        if attn.rotary_dim != info.head_dim or mlp.act != "silu":
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(type(n) is not RMSNorm or n.eps != info.rms_norm_eps for n in norms):
+        qk = (attn.q_norm, attn.k_norm)
+        if any(n is None for n in qk) and any(n is not None for n in qk):
+            return None
+        if any(
+            type(n) is not RMSNorm or n.eps != info.rms_norm_eps
+            for n in (*norms, *(n for n in qk if n is not None))
+        ):
             return None
         lins = [
             native_lin(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -87,7 +96,10 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         if any(lin is None for lin in lins):
             return None
         qkv, o, gate_up, down = lins
-        layers.append(LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight))  # type: ignore[arg-type]
+        qk_weights = [n.weight for n in qk] if qk[0] is not None else [None, None]
+        layers.append(
+            LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, *qk_weights)  # type: ignore[arg-type]
+        )
     if model.head is not None:
         head_module: nn.Module | None = model.head
     elif not model.tied:
@@ -115,6 +127,7 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
 
 
 register_spec(LlamaForCausalLM, llama_spec)
+register_spec(Qwen3ForCausalLM, llama_spec)
 
 
 class _RopeSteps(NamedTuple):

@@ -6,7 +6,8 @@
  * the phases of each layer are separated by barriers only:
  *
  *   qkv = norm(residual) @ Wqkv           (columns split over threads)
- *   per (row, KV head): RoPE on q and k, k and v into the pool, attention (rows of
+ *   per (row, KV head): RoPE on q and k (each head RMS-normed first where the model
+ *                       norms them: Qwen3), k and v into the pool, attention (rows of
  *                                         one sequence: every row's k and v first)
  *   o = attn @ Wo;  residual += o         (every thread keeps its own copy of the
  *   act = silu(gate) * up                  residual rows and their norm: a few KiB,
@@ -49,6 +50,8 @@
 typedef struct {
     lin_t qkv, o, gate_up, down;
     const float *in_norm, *post_norm; /* [hidden] fp32 */
+    const float *q_norm, *k_norm;     /* [head_dim] fp32, or NULL: each q and k head's
+                                         RMSNorm before RoPE (Qwen3) */
 } layer_t;
 
 typedef struct {
@@ -264,6 +267,11 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
     float *row = qkv + b * qkv_n;
     float *q = row + h * G * D, *k = row + (H + h) * D, *v = row + (H + Hkv + h) * D;
     const float *c = cos_t + b * half, *s = sin_t + b * half;
+    const layer_t *L = &M->layers[l];
+    if (L->q_norm) { /* in place, a head a row */
+        norm_rows(q, L->q_norm, q, G, D, (float)M->eps);
+        norm_rows(k, L->k_norm, k, 1, D, (float)M->eps);
+    }
     for (int64_t g = 0; g < G; g++) rope_head(q + g * D, c, s, half);
     rope_head(k, c, s, half);
     const int64_t esize = M->kv_bf16 ? 2 : 4;

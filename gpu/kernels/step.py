@@ -40,6 +40,8 @@ class _Layer(ctypes.Structure):
         ("down", Lin),
         ("in_norm", _P),
         ("post_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
     ]
 
 
@@ -91,6 +93,9 @@ class LayerWeights:
     down: Lin
     in_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor
+    # [head_dim] each: every q and k head RMS-normed before RoPE (Qwen3), or None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,6 +135,11 @@ class StepWeights:
                 hidden,
             ):
                 return "linear shapes"
+            qk = (layer.q_norm, layer.k_norm)
+            if (qk[0] is None) != (qk[1] is None) or any(
+                n is not None and n.shape != (self.head_dim,) for n in qk
+            ):
+                return "q and k norms"
         return ""
 
 
@@ -284,7 +294,13 @@ class DecodeStep:
         # builds with AVX512-BF16, a bf16 pool, head sizes of 32s); False: a row at a time
         self.extend_flash = True
         self.vocab = weights.head.n
-        norms = [(_f32(x.in_norm), _f32(x.post_norm)) for x in weights.layers]
+        norms = [
+            [
+                _f32(n) if n is not None else None
+                for n in (x.in_norm, x.post_norm, x.q_norm, x.k_norm)
+            ]
+            for x in weights.layers
+        ]
         final = _f32(weights.final_norm)
         # a bf16 model's linears may round their inputs to bf16, as its forward does:
         # at larger batches they then take the CPU's bf16 dot products (gemv.h)
@@ -305,10 +321,9 @@ class DecodeStep:
             *(
                 _Layer(
                     *(lin(w) for w in (x.qkv, x.o, x.gate_up, x.down)),
-                    a.data_ptr(),
-                    b.data_ptr(),
+                    *(n.data_ptr() if n is not None else None for n in ns),
                 )
-                for x, (a, b) in zip(weights.layers, norms, strict=True)
+                for x, ns in zip(weights.layers, norms, strict=True)
             )
         )
         self._keep = (norms, final, layers, kv)

@@ -126,9 +126,11 @@ def test_tiny_model_through_its_layers(tiny_llama: Path) -> None:
     check(tiny_llama, "none", PROMPT, fused=False)
 
 
-def test_tiny_qwen3(family_model_factory: Callable[..., Path]) -> None:
-    """Qwen3's q/k norms keep it out of the fused step: every linear runs packed."""
-    check(family_model_factory("qwen3"), "none", PROMPT, fused=False)
+@pytest.mark.parametrize("fused", [True, False])
+def test_tiny_qwen3(family_model_factory: Callable[..., Path], fused: bool) -> None:
+    """Qwen3 (its q and k heads RMS-normed before RoPE) through the fused step, and
+    through its layers with every linear packed."""
+    check(family_model_factory("qwen3"), "none", PROMPT, fused=fused)
 
 
 def test_tiny_block_model_decodes_its_exact_blocks(

@@ -245,6 +245,16 @@ def test_gqa_with_qkv_bias(qwen2_bias: Path) -> None:
     assert_fused_matches_model(qwen2_bias)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_qwen3s_q_and_k_norms(family_model_factory: Callable[..., Path], level: str) -> None:
+    """Qwen3 norms each q and k head (random weights, D = 32) before RoPE: the step too,
+    in every ISA build, its q norm told from its k norm."""
+    runner = assert_fused_matches_model(family_model_factory("qwen3"), level)
+    layer = runner.fused.step.weights.layers[0]  # type: ignore[union-attr]
+    assert layer.q_norm is not None and layer.k_norm is not None
+    assert not torch.equal(layer.q_norm, layer.k_norm)
+
+
 @pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)")
 @pytest.mark.parametrize("method", ["fp16", "gguf"])
 def test_every_linear_method(
