@@ -5,6 +5,7 @@ ranks and targets, fp32 and bf16; which adapter steps it takes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from actorlm.gpu.lora.batch import BASE
 from actorlm.gpu.lora.plan import LoraPlan
 from actorlm.gpu.runner import ModelRunner
 
+from ...conftest import LORA_ADAPTERS
+from ...models import build_lora_adapter
 from ..helpers import Pages, make_runner
 from ..lora.test_lora_layers import PROMPTS, lora_runner
 
@@ -79,6 +82,26 @@ def test_fused_adapter_steps_match_the_models_forward(
     base = decode(fused, 1, adapters=False)[0]
     diff = (got[0] - base).abs().amax(1)
     assert all((d > 2) == bool(n) for d, n in zip(diff.tolist(), NAMES, strict=True))
+
+
+def test_qwen3s_adapted_q_and_k_are_normed_after_their_deltas(
+    family_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Qwen3 adds q's and k's deltas to the projections, then norms each head: the fused
+    step in that order too (fp32, against the model's forward)."""
+    base = family_model_factory("qwen3")
+    root = tmp_path_factory.mktemp("qwen3-lora")
+    adapters = {
+        name: build_lora_adapter(base, root / name, **spec)  # type: ignore[arg-type]
+        for name, spec in LORA_ADAPTERS.items()
+    }
+    fused = lora_runner(base, adapters, quantization="none", dtype="float32")
+    plain = lora_runner(
+        base, adapters, quantization="none", dtype="float32", fused_decode_max_batch=0
+    )
+    assert fused.fused is not None and fused.fused.step.has_lora and plain.fused is None
+    for g, w in zip(decode(fused, 3), decode(plain, 3), strict=True):
+        assert (g - w).abs().max().item() < 1e-4
 
 
 def test_adapter_steps_it_takes(tiny_llama: Path, lora_adapters: dict[str, Path]) -> None:
