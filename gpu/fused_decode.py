@@ -82,13 +82,8 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         if attn.rotary_dim != info.head_dim or mlp.act != "silu":
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        qk = (attn.q_norm, attn.k_norm)
-        if any(n is None for n in qk) and any(n is not None for n in qk):
-            return None
-        if any(
-            type(n) is not RMSNorm or n.eps != info.rms_norm_eps
-            for n in (*norms, *(n for n in qk if n is not None))
-        ):
+        qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]  # StepWeights checks both
+        if any(type(n) is not RMSNorm or n.eps != info.rms_norm_eps for n in (*norms, *qk)):
             return None
         lins = [
             native_lin(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -96,9 +91,9 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         if any(lin is None for lin in lins):
             return None
         qkv, o, gate_up, down = lins
-        qk_weights = [n.weight for n in qk] if qk[0] is not None else [None, None]
+        q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
         layers.append(
-            LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, *qk_weights)  # type: ignore[arg-type]
+            LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)  # type: ignore[arg-type]
         )
     if model.head is not None:
         head_module: nn.Module | None = model.head

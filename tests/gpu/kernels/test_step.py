@@ -253,6 +253,13 @@ def test_qwen3s_q_and_k_norms(family_model_factory: Callable[..., Path], level: 
     layer = runner.fused.step.weights.layers[0]  # type: ignore[union-attr]
     assert layer.q_norm is not None and layer.k_norm is not None
     assert not torch.equal(layer.q_norm, layer.k_norm)
+    weights = runner.fused.step.weights  # type: ignore[union-attr]
+    q, k = layer.q_norm, layer.k_norm
+    for bad in ((q, None), (None, k), (q, k[:-1])):
+        layer.q_norm, layer.k_norm = bad
+        assert weights.check() == "q and k norms"
+    layer.q_norm, layer.k_norm = q, k
+    assert weights.check() == ""
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)")
