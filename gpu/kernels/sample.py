@@ -44,6 +44,13 @@ def native_sample(level: str = "") -> Any | None:
     )
 
 
+def _kernel_for(x: torch.Tensor, level: str) -> Any | None:
+    """The build for ``level`` where it can read ``x``: fp32 CPU rows of unit stride."""
+    lib = native_sample(level)
+    readable = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+    return lib if readable and x.stride(1) == 1 else None
+
+
 def sample_rows(
     x: torch.Tensor,
     rows: Sequence[int],
@@ -59,14 +66,8 @@ def sample_rows(
     1: off; ``min_p`` 0: off) at its uniform in [0, 1), by the build for ISA ``level``
     (default: the best here); None where the kernel cannot take ``x`` (then sample with
     PyTorch)."""
-    lib = native_sample(level)
-    if (
-        lib is None
-        or x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or x.dim() != 2
-        or x.stride(1) != 1
-    ):
+    lib = _kernel_for(x, level)
+    if lib is None:
         return None
     n = len(rows)
     idx = np.asarray(rows, np.int64)
@@ -106,14 +107,8 @@ def logprob_rows(
     the best kept as they go by, then its sum of exp), by the build for ISA ``level``.
     None where the kernel cannot take ``x`` or a row has a NaN, no finite maximum or fewer
     than ``k`` values above -inf: torch answers those (its ties, its NaNs)."""
-    lib = native_sample(level)
-    if (
-        lib is None
-        or x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or x.dim() != 2
-        or x.stride(1) != 1
-    ):
+    lib = _kernel_for(x, level)
+    if lib is None:
         return None
     n, vocab = len(rows), x.shape[1]
     idx = np.asarray(rows, np.int64)
