@@ -66,8 +66,8 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
 
 
 def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
-    """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2; Qwen3 with
-    its q and k norms) as step weights."""
+    """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2, Phi-3 and
+    Phi-4-mini's partial rotary; Qwen3 with its q and k norms) as step weights."""
     info = model.info
     if len(model.ropes) != 1 or info.final_logit_softcapping:
         return None  # one RoPE table, uncapped logits (windows: FusedDecoder.build refuses)
@@ -75,11 +75,12 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         return None
     layers = []
     layer: Any
+    rotary = int(info.head_dim * info.partial_rotary_factor)  # a share of a head: Phi-4-mini
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, GatedMLP):
             return None
-        if attn.rotary_dim != info.head_dim or mlp.act != "silu":
+        if attn.rotary_dim != rotary or mlp.act != "silu":
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]  # StepWeights checks both
@@ -118,6 +119,7 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         num_heads=info.num_heads,
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
+        rotary_dim=rotary,
     )
 
 

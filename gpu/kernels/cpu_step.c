@@ -66,6 +66,8 @@ typedef struct {
     int64_t kv_bf16, num_pages, page_size;
     const lora_t *lora; /* [num_layers][LORA_N], or NULL: the model has no adapters */
     int64_t lora_rank;  /* the largest rank any slot may have */
+    int64_t rot_half;   /* RoPE turns each head's first 2 rot_half values (head_dim / 2,
+                           or fewer: partial rotary, Phi-4-mini) */
 } model_t;
 
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_N };
@@ -262,7 +264,7 @@ static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, fl
                            int64_t qkv_n, const float *cos_t, const float *sin_t, int64_t slot,
                            const int64_t *pages, int64_t seq_len, float *scores, float *acc,
                            float *out, int64_t skip, float *ml) {
-    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, half = D / 2;
+    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, half = M->rot_half;
     const int64_t H = M->heads, Hkv = M->kv_heads;
     float *row = qkv + b * qkv_n;
     float *q = row + h * G * D, *k = row + (H + h) * D, *v = row + (H + Hkv + h) * D;

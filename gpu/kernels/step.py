@@ -67,6 +67,7 @@ class _Model(ctypes.Structure):
         ("page_size", _I),
         ("lora", ctypes.POINTER(LoraDesc)),
         ("lora_rank", _I),
+        ("rot_half", _I),
     ]
 
 
@@ -112,6 +113,7 @@ class StepWeights:
     num_kv_heads: int
     head_dim: int
     keep: list[Any] = field(default_factory=list)  # tensors the descriptors point into
+    rotary_dim: int = 0  # RoPE on each head's first rotary_dim values (0: all head_dim)
 
     def check(self) -> str:
         """Why the kernel cannot run these weights, or "" when it can."""
@@ -122,6 +124,8 @@ class StepWeights:
             return f"embedding of dtype {self.embed.dtype}"
         if self.head_dim % 2 or self.num_heads % self.num_kv_heads:
             return "head layout"
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            return f"rotary dims {self.rotary_dim} of {self.head_dim}"
         hidden = self.embed.shape[1]
         for layer in self.layers:
             inter = layer.down.k
@@ -346,6 +350,7 @@ class DecodeStep:
             kv_bf16=int(kv.dtype == torch.bfloat16),
             num_pages=kv.shape[3],
             page_size=page_size,
+            rot_half=(weights.rotary_dim or weights.head_dim) // 2,
         )
 
     def set_lora(self, descs: list[LoraDesc], max_rank: int) -> None:

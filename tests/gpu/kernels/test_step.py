@@ -262,6 +262,15 @@ def test_qwen3s_q_and_k_norms(family_model_factory: Callable[..., Path], level: 
     assert weights.check() == ""
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_phi4_minis_partial_rotary(family_model_factory: Callable[..., Path], level: str) -> None:
+    """Phi-4-mini's RoPE turns 3/4 of each head (the tiny Phi-3 of that shape, with its
+    LongRoPE: prompts past 32 tokens take the long table, the others the short)."""
+    runner = assert_fused_matches_model(family_model_factory("phi3"), level)
+    weights = runner.fused.step.weights  # type: ignore[union-attr]
+    assert 0 < weights.rotary_dim < weights.head_dim
+
+
 @pytest.mark.skipif(not fbgemm_available(), reason="needs fbgemm (x86 PyTorch)")
 @pytest.mark.parametrize("method", ["fp16", "gguf"])
 def test_every_linear_method(
