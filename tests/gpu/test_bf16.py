@@ -96,6 +96,20 @@ def check(
     assert ours.max() <= 2 * theirs.max(), (ours.tolist(), theirs.tolist())
 
 
+def distances_to_fp32(
+    path: Path, prompt: list[int], steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's largest distance from fp32 transformers' logits, ours in bf16 (fed its
+    bf16 greedy tokens, through the fused step) and transformers' own in bf16."""
+    fp32 = hf(path, torch.float32)
+    tokens, want = hf_greedy_logits(copy.deepcopy(fp32).to(torch.bfloat16), prompt, steps)
+    got = forced_logits(path, "none", prompt, tokens)
+    with torch.inference_mode():
+        ref = fp32(input_ids=torch.tensor([prompt + tokens[:-1]])).logits
+    ref = ref[0, len(prompt) - 1 :].float()
+    return (got - ref).abs().max(-1).values, (want - ref).abs().max(-1).values
+
+
 PROMPT = list(range(100, 141))
 
 
@@ -110,13 +124,7 @@ def test_tiny_model_over_a_long_context(tiny_llama: Path) -> None:
     held to fp32 instead: at every step no farther from it than transformers' bf16 are,
     within 1.5x (they are 2-10x nearer)."""
     prompt = [(7 * j) % 1000 + 1 for j in range(600)]
-    fp32 = hf(tiny_llama, torch.float32)
-    tokens, want = hf_greedy_logits(copy.deepcopy(fp32).to(torch.bfloat16), prompt, 8)
-    got = forced_logits(tiny_llama, "none", prompt, tokens)
-    with torch.inference_mode():
-        ref = fp32(input_ids=torch.tensor([prompt + tokens[:-1]])).logits
-    ref = ref[0, len(prompt) - 1 :].float()
-    ours, theirs = (got - ref).abs().max(-1).values, (want - ref).abs().max(-1).values
+    ours, theirs = distances_to_fp32(tiny_llama, prompt, 8)
     assert (ours <= 1.5 * theirs).all(), (ours.tolist(), theirs.tolist())
 
 
@@ -139,14 +147,7 @@ def test_tiny_phi4_mini_shape(family_model_factory: Callable[..., Path]) -> None
     from its fp32 ones on average, and the step (fp32 activations) parts from them by up
     to ~6% while nearer fp32 than they are: held to fp32, as the long context is, at
     every step no farther from it than transformers' bf16 within 1.5x."""
-    path = family_model_factory("phi3")
-    fp32 = hf(path, torch.float32)
-    tokens, want = hf_greedy_logits(copy.deepcopy(fp32).to(torch.bfloat16), PROMPT, STEPS)
-    got = forced_logits(path, "none", PROMPT, tokens)
-    with torch.inference_mode():
-        ref = fp32(input_ids=torch.tensor([PROMPT + tokens[:-1]])).logits
-    ref = ref[0, len(PROMPT) - 1 :].float()
-    ours, theirs = (got - ref).abs().max(-1).values, (want - ref).abs().max(-1).values
+    ours, theirs = distances_to_fp32(family_model_factory("phi3"), PROMPT, STEPS)
     assert (ours <= 1.5 * theirs).all(), (ours.tolist(), theirs.tolist())
     assert ours.mean() <= theirs.mean(), (ours.tolist(), theirs.tolist())
 
