@@ -273,13 +273,13 @@ class Sampler:
         sample) or a packed int32 ``[ceil(V/32)]`` bitmask (see ``kernels.bitmask``).
         """
         seqs = self._lookup(rids, logits)
+        offer, self._offer = self._offer, None  # this step's, or none: never kept past it
         if not rids:
             return []
         if all(s.plain and not s.banning for s in seqs):
             # The common case: 1 kernel, 1 sync. Grammar masks are read where the argmax
             # compares (no masked copy of the batch); on the CPU the C argmax serves
             # free and masked rows alike (~10x torch.argmax's speed, the same picks).
-            offer, self._offer = self._offer, None
             if offer is not None and not masks and offer[0] is logits:
                 argmax: list[int] = offer[1].tolist()  # found where the logits were made
             else:
