@@ -42,10 +42,17 @@
 #include "amx_state.h"
 
 #define AMX_MIN_ROWS 5 /* fewer rows: gemv.h's fp32 tiles (equal at 4, 1.2x at 8) */
-/* more rows: the weights rounded to bf16 first (amx_expanded_cols; default model, two
-   cores, ffn_up / ffn_down / Q8_0 head: 0.86 / 1.03 / 1.05x the exact blocks at 32 rows,
-   1.11 / 1.35 / 1.24x at 48, 1.48 / 1.63 / 1.51x at 64) */
-#define AMX_DQ_MIN_ROWS 41
+/* more rows: the weights rounded to bf16 first (amx_expanded_cols), whose cost is one
+   expansion a call where the blocks' grows with the rows. Default model, two cores:
+   ffn_up / attn_q alone and warm 0.062 / 0.027 -> 0.049 / 0.023 ms at 32 rows, 0.100 /
+   0.035 -> 0.066 / 0.029 at 40, where the blocks' row tiles pad 40 rows to 48
+   (bench/qgemm.py); the fused decode step (bench/forward.py, context 256) level at 29-31
+   rows, 8% slower at 28, 3-9% faster at 32 and 8-12% at 36 and 40 */
+#define AMX_DQ_MIN_ROWS 32
+/* more rows: a weight written as tiles (lin_t's `tiles`) read as they lie instead of
+   expanded from its codes: 2 bytes a weight from memory where the codes are ~0.56, so
+   only where enough rows share each tile (from 17 rows: level with 41, 2026-12-06) */
+#define AMX_TILES_MIN_ROWS 41
 /* a dense bf16 weight through amx_expanded_cols (a 1536 x 576 weight, two cores: 0.047 /
    0.069 / 0.110 / 0.222 ms at 32 / 64 / 117 / 256 rows against amx_dense_cols' 0.054 /
    0.114 / 0.203 / 0.459; 0.046 against 0.032 at 24) */
@@ -186,8 +193,13 @@ static inline void dense_expand(const uint16_t *w, int64_t N, int64_t K, int64_t
 static inline void amx_expand(const lin_t *L, int64_t g, int64_t b, __m512i *wb) {
     if (L->kind == LIN_BF16)
         dense_expand((const uint16_t *)L->w, L->n, L->k, g, b, wb);
-    else
-        dq_expand(L->kind == LIN_Q4_1, (const uint8_t *)L->w, L->d, L->m, g * (L->k / QK) + b, wb);
+    else {
+        const int64_t nb = L->k / QK, blk = g * nb + b;
+        /* the pair after next: amx_expanded_cols expands a pair while the one before runs */
+        if (blk + 2 * nb < (L->n + GROUP - 1) / GROUP * nb)
+            dp_prefetch(L->kind == LIN_Q4_1, (const uint8_t *)L->w, L->d, L->m, blk + 2 * nb);
+        dq_expand(L->kind == LIN_Q4_1, (const uint8_t *)L->w, L->d, L->m, blk, wb);
+    }
 }
 
 /* x rounded to bf16 once for several calls over the same rows (cpu_step.c's claimed
@@ -418,7 +430,8 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
     const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
     /* the expansion's two pairs of B tiles, or amx_tiles_cols' parked sums */
-    const size_t wbs_bytes = L->tiles ? amx_tiles_part(K) : (size_t)nb * 4096;
+    const int tiles = L->tiles && (L->kind == LIN_BF16 || M >= AMX_TILES_MIN_ROWS);
+    const size_t wbs_bytes = tiles ? amx_tiles_part(K) : (size_t)nb * 4096;
     char *buf = dp_buffer(xb_bytes + wbs_bytes + 4 * 1024);
     if (buf == NULL) return -1;
     const uint16_t *xb = amx_rows_bf16(x, M, xs, K, (uint16_t *)buf);
@@ -426,7 +439,7 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
        tiles work on this pair's first rows */
     __m512i *wbs = (__m512i *)(buf + xb_bytes);
     float *cb = (float *)(buf + xb_bytes + wbs_bytes);
-    if (L->tiles) {
+    if (tiles) {
         amx_tiles_cols(L, xb, M, g0, g1, y, ys, cb, (float *)wbs, NULL);
         return 0;
     }

@@ -432,7 +432,7 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
     /* gate and up meet in the tiles' epilogue (amx.h; with the fp32 rows unwritten, the
        default model's gate/up and SiLU of a 512-token prompt ~30 -> ~23 ms, 2-core AMX
        Xeon) */
-    if (!ll && act_b && L->act_bf16 && B >= AMX_DQ_MIN_ROWS &&
+    if (!ll && act_b && L->act_bf16 && B >= AMX_TILES_MIN_ROWS &&
         amx_silu_cols(L, xn, B, hidden, inter, c0, c1, act_read ? act : NULL, act_b, inter) == 0)
         return;
 #else

@@ -29,6 +29,7 @@ from . import native
 from .arena import Arena
 
 __all__ = [
+    "AMX_DQ_MIN_ROWS",
     "AMX_TILES_MIN_ROWS",
     "BLOCK_KINDS",
     "QK",
@@ -366,7 +367,8 @@ class Lin(ctypes.Structure):
 _DENSE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK_KINDS = {"q4_1": 3, "q8_0": 4}  # Lin.kind of each block format (gemv.h)
 _TILE_KINDS = (_DENSE_KINDS[torch.bfloat16], *BLOCK_KINDS.values())  # amx_tiles writes
-AMX_TILES_MIN_ROWS = 41  # bf16 rows from which a weight's tiles are read (amx.h's AMX_DQ_MIN_ROWS)
+AMX_DQ_MIN_ROWS = 32  # bf16 rows from which AMX sums block weights rounded to bf16 (amx.h)
+AMX_TILES_MIN_ROWS = 41  # bf16 rows from which a weight's tiles are read (amx.h)
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:

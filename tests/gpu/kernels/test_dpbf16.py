@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from actorlm.gpu.forward_meta import SeqSpec
 from actorlm.gpu.fused_decode import FusedDecoder
 from actorlm.gpu.kernels import native
-from actorlm.gpu.kernels.qgemm import amx_ready, lin_blocks, lin_dense, linear, native_qgemm, pack
+from actorlm.gpu.kernels.qgemm import (
+    AMX_DQ_MIN_ROWS,
+    amx_ready,
+    lin_blocks,
+    lin_dense,
+    linear,
+    native_qgemm,
+    pack,
+)
 from actorlm.gpu.runner import ModelRunner
 
 from ..helpers import make_runner
@@ -28,8 +36,6 @@ pytestmark = pytest.mark.skipif(native_qgemm() is None, reason="needs a C compil
 MIN_ROWS = {"avx512bf16": 5, "amx": 5}
 # Q4_1 on the dot products from one row (codes expanded in registers, dpbf16.h)
 MIN_ROWS_Q4 = {"avx512bf16": 1, "amx": 5}
-# rows from which the amx build rounds the block weights to bf16 too (amx.h)
-DQ_ROWS = 41
 _HERE = native.supported_isas(native.cpu_flags(), native._is_x86())
 _BF16_LEVELS = [level for level in MIN_ROWS if native.isa(level) in _HERE]
 
@@ -41,8 +47,8 @@ def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> 
     build Q4_1 from one row on) round each row to bf16 once and sum its products with
     the blocks' exact values in fp32: torch's fp64 matmul of the rounded rows to fp32's
     tolerance (sums of 1088 products of up to ~8 in size). The other builds and fewer rows keep fp32 rows. 1088 columns are 34
-    blocks: three expanded chunks. From 41 rows the amx build rounds each weight to bf16
-    as well (its tiles then sum over all of K): the fp64 matmul of both rounded."""
+    blocks: three expanded chunks. From AMX_DQ_MIN_ROWS (32) rows the amx build rounds
+    each weight to bf16 as well (its tiles then sum over all of K): the fp64 matmul of both rounded."""
     w = blocks((77, 1088), kind, seed=6)  # 77 output rows: a part group
     packed = pack(w)
     assert packed is not None
@@ -50,14 +56,14 @@ def test_rows_round_to_bf16_and_meet_the_exact_blocks(level: str, kind: str) -> 
     lin = lin_blocks(packed, b)
     lin.act_bf16 = 1
     g = torch.Generator().manual_seed(7)
-    for rows in (1, 4, 5, 6, 9, 16, 17, 23, 32, 33, 40, 41, 64, 70):
+    for rows in (1, 4, 5, 6, 9, 16, 17, 23, 31, 32, 33, 40, 41, 64, 70):
         wide = torch.randn(rows, 1100, generator=g)
         x = wide[:, 5:1093]  # row stride 1100
         got = linear(x, lin, level)
         assert got is not None
         rounds = rows >= (MIN_ROWS_Q4 if kind == "q4_1" else MIN_ROWS).get(level, rows + 1)
         xr = x.bfloat16() if rounds else x
-        dq = level == "amx" and rows >= DQ_ROWS and amx_ready(level)  # tiles granted
+        dq = level == "amx" and rows >= AMX_DQ_MIN_ROWS and amx_ready(level)  # tiles granted
         wr = w.bfloat16() if dq else w
         want = (xr.double() @ wr.double().T + b.double()).float()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-4)

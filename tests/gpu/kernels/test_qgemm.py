@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from actorlm.gpu.gguf_file import GGUFFile
 from actorlm.gpu.kernels import native
 from actorlm.gpu.kernels.qgemm import (
+    AMX_DQ_MIN_ROWS,
+    AMX_TILES_MIN_ROWS,
     QK,
     Lin,
     PackedWeight,
@@ -250,8 +252,8 @@ def test_layer_runs_the_kernel_for_small_batches_and_fp16_for_large() -> None:
 def test_bf16_rows_take_the_blocks_up_to_the_platforms_limit() -> None:
     """bf16 rows take the block kernel's bf16 path (AMX tiles: up to 48 rows on an AMX
     CPU, 8 elsewhere), exact products of the rows and the file's weights summed in fp32
-    (from 41 rows AMX's tiles round the weights to bf16 first, as the dense GEMM's copy
-    is); more rows take the dense bf16 GEMM over the weights rounded to bf16."""
+    (from AMX_DQ_MIN_ROWS rows AMX's tiles round the weights to bf16 first, as the dense
+    GEMM's copy is); more rows take the dense bf16 GEMM over the weights rounded to bf16."""
     w, b = blocks((64, 96), "q4_1"), torch.randn(64)
     method = GGUFMethod()
     method.check(torch.device("cpu"), torch.bfloat16)
@@ -268,7 +270,7 @@ def test_bf16_rows_take_the_blocks_up_to_the_platforms_limit() -> None:
         got = layer(x)
         if rows <= limit:
             assert torch.equal(got, linear(x, layer.lin_bf16))  # type: ignore[arg-type]
-            wr = w.bfloat16() if amx_ready() and rows >= 41 else w
+            wr = w.bfloat16() if amx_ready() and rows >= AMX_DQ_MIN_ROWS else w
             want = (x.double() @ wr.double().T + b.double()).bfloat16()
             torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
         else:
@@ -279,11 +281,11 @@ def test_bf16_rows_take_the_blocks_up_to_the_platforms_limit() -> None:
 # 5 groups; a last group of 8; 15 groups, the last of 8 (each thread's next pair
 # expanded while its tiles work on the one before)
 @pytest.mark.parametrize("shape", [(80, 96), (72, 128), (232, 64)])
-@pytest.mark.parametrize("rows", [41, 57, 100])
+@pytest.mark.parametrize("rows", [AMX_DQ_MIN_ROWS, 41, 57, 100])
 def test_amx_rows_over_weights_rounded_to_bf16(
     kind: str, shape: tuple[int, int], rows: int
 ) -> None:
-    """From 41 bf16 rows, AMX's tiles sum whole rows of weights rounded to bf16 (two
+    """From AMX_DQ_MIN_ROWS bf16 rows, AMX's tiles sum whole rows of weights rounded to bf16 (two
     groups of 16 columns and two tiles of 16 rows at a time): every row and column,
     odd group and tile counts and a part group included, is x times those weights in
     fp32 sums of exact products, whole tiles stored straight into the output or through
@@ -322,14 +324,16 @@ def _block_model(src: Path, out: Path) -> Path:
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
 # a last group of 8; 48 blocks deep (the tiles' slices of k)
 @pytest.mark.parametrize("shape", [(72, 128), (80, 1536)])
-@pytest.mark.parametrize("rows", [41, 300])
+@pytest.mark.parametrize("rows", [AMX_DQ_MIN_ROWS + 4, AMX_TILES_MIN_ROWS, 300])
 def test_tiles_written_once_give_the_expanded_weights_bits(
     kind: str, shape: tuple[int, int], rows: int
 ) -> None:
-    """A weight's AMX tiles written once (``amx_tiles``) give, from 41 bf16 rows, what
-    expanding its blocks (or transposing its bf16 rows) at every call gives, to the bit:
-    the same products summed in the same order, however the tiles' loops block the rows
-    (a part tile of 12 rows at 300) and k."""
+    """A weight's AMX tiles written once (``amx_tiles``) give, from AMX_TILES_MIN_ROWS
+    bf16 rows, what expanding its blocks (or transposing its bf16 rows) at every call
+    gives, to the bit: the same products summed in the same order, however the tiles'
+    loops block the rows (a part tile of 12 rows at 300) and k. Fewer rows expand the
+    blocks even where the tiles are written (2 bytes a weight read where the codes are
+    ~0.56), a dense weight's tiles are read from its first expanded row: the same bits."""
     if not amx_ready():
         pytest.skip("no AMX tiles here (or the OS refused their state)")
     if kind == "bf16":
