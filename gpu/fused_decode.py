@@ -12,10 +12,12 @@ prompts, larger batches) take the model's forward.
 
 A model family opts in with ``register_spec(ModelClass, fn)``: ``fn(model)`` returns
 its ``StepWeights`` (kernels/step.py), or None when this instance cannot be fused
-(another layer shape, a sliding window, a linear method the kernels cannot read).
-Only the exact class registered is fused: a subclass that changes the layer math
-(Gemma's norms) is never taken for its parent. Qwen3 registers the Llama spec, which
-reads its per-head q and k norms (the step norms each head before RoPE).
+(another layer shape, a linear method the kernels cannot read). Only the exact class
+registered is fused: a subclass that changes the layer math is never taken for its
+parent. Qwen3 registers the Llama spec, which reads its per-head q and k norms (the
+step norms each head before RoPE); Gemma 2 and 3 register their own (``gemma_spec``:
+scaled embeddings, output norms, tanh-GELU, two RoPE tables, soft caps). Layers with a
+sliding window attend within it, a row at a time.
 
 With LoRA (``attach_lora``), steps whose rows use adapters stay fused too: the step
 reads the worker's adapter slots in place (``kernels/lora.py``'s descriptors) and adds
@@ -41,7 +43,13 @@ from .kernels.attention import prefill_tiles
 from .kernels.qgemm import BLOCK_KINDS
 from .kernels.step import Cascade, DecodeStep, LayerWeights, StepWeights, native_step
 from .kv_pool import KVPool
-from .models.layers import Attention, GatedMLP, RMSNorm
+from .models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    GemmaDecoderLayer,
+)
+from .models.layers import Attention, GatedMLP, GemmaRMSNorm, RMSNorm
 from .models.llama import DecoderLayer, LlamaForCausalLM
 from .models.qwen3 import Qwen3ForCausalLM
 from .quantization import native_lin
@@ -65,12 +73,28 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
     _SPECS[model_cls] = fn
 
 
+def _head(model: Any) -> Any:
+    """The LM head's kernel descriptor, or None."""
+    if model.head is not None:
+        head_module: nn.Module | None = model.head
+    elif not model.tied:
+        head_module = model.lm_head
+    else:
+        head_module = None
+    if head_module is not None:
+        return native_lin(head_module)
+    from .kernels.qgemm import lin_dense
+
+    return lin_dense(model.lm_head_weight())
+
+
 def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
     """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2, Phi-3 and
-    Phi-4-mini's partial rotary; Qwen3 with its q and k norms) as step weights."""
+    Phi-4-mini's partial rotary, their sliding windows; Qwen3 with its q and k norms) as
+    step weights."""
     info = model.info
-    if len(model.ropes) != 1 or info.final_logit_softcapping:
-        return None  # one RoPE table, uncapped logits (windows: FusedDecoder.build refuses)
+    if len(model.ropes) != 1 or info.final_logit_softcapping or model.attention_softcap:
+        return None  # one RoPE table, uncapped scores and logits
     if abs(model.attention_scale - info.head_dim**-0.5) > 1e-12:
         return None
     layers = []
@@ -96,18 +120,8 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         layers.append(
             LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)  # type: ignore[arg-type]
         )
-    if model.head is not None:
-        head_module: nn.Module | None = model.head
-    elif not model.tied:
-        head_module = model.lm_head
-    else:
-        head_module = None
-    if head_module is not None:
-        head = native_lin(head_module)
-    else:
-        from .kernels.qgemm import lin_dense
-
-        head = lin_dense(model.lm_head_weight())
+        layers[-1].window = model.layer_windows[len(layers) - 1]
+    head = _head(model)
     if head is None or type(model.model.norm) is not RMSNorm:
         return None
     return StepWeights(
@@ -125,6 +139,81 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
 
 register_spec(LlamaForCausalLM, llama_spec)
 register_spec(Qwen3ForCausalLM, llama_spec)
+
+
+def gemma_spec(model: Gemma2ForCausalLM) -> StepWeights | None:
+    """Gemma 2 and Gemma 3 (text) as step weights: the Llama layer with its embeddings
+    scaled, the attention's and the MLP's outputs normed (the norms' 1 + weight folded
+    in as loaded), tanh-GELU, per-layer windows and RoPE tables (Gemma 3's windowed
+    layers' own base), soft-capped scores and logits (Gemma 2)."""
+    info = model.info
+    if len(model.ropes) > 2:
+        return None
+    layers = []
+    layer: Any
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if (type(layer), type(attn), type(layer.mlp)) != (GemmaDecoderLayer, Attention, GatedMLP):
+            return None
+        if attn.rotary_dim != info.head_dim or layer.mlp.act != "gelu_pytorch_tanh":
+            return None
+        norms = (
+            layer.input_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.post_attention_layernorm,
+            layer.post_feedforward_layernorm,
+        )
+        qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+        if any(type(n) is not GemmaRMSNorm or n.eps != info.rms_norm_eps for n in (*norms, *qk)):
+            return None
+        lins = [
+            native_lin(m)
+            for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        if any(lin is None for lin in lins):
+            return None
+        qkv, o, gate_up, down = lins
+        q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
+        layers.append(
+            LayerWeights(
+                qkv,  # type: ignore[arg-type]
+                o,  # type: ignore[arg-type]
+                gate_up,  # type: ignore[arg-type]
+                down,  # type: ignore[arg-type]
+                norms[0].weight,
+                norms[1].weight,
+                q_norm,
+                k_norm,
+                attn_out_norm=norms[2].weight,
+                ffn_out_norm=norms[3].weight,
+                window=model.layer_windows[i],
+                rope=model.rope_of(i),
+            )
+        )
+    head = _head(model)
+    if head is None or type(model.model.norm) is not GemmaRMSNorm:
+        return None
+    embed = model.model.embed_tokens.weight.data
+    return StepWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=model.model.norm.weight,
+        head=head,
+        eps=info.rms_norm_eps,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        ropes=len(model.ropes),
+        # the scale rounded to the embeddings' dtype, as the model's forward takes it
+        embed_scale=float(torch.tensor(model.embed_scale, dtype=embed.dtype)),
+        softcap=model.attention_softcap,
+        final_softcap=float(info.final_logit_softcapping or 0.0),
+        act="gelu_tanh",
+    )
+
+
+for _gemma in (Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration):
+    register_spec(_gemma, gemma_spec)
 
 
 class _RopeSteps(NamedTuple):
@@ -251,7 +340,11 @@ class FusedDecoder:
         dots = step.kv_bf16 and step.weights.head_dim % 32 == 0 and level in _BF16_LEVELS
         lins = [w for x in step.weights.layers for w in (x.qkv, x.o, x.gate_up, x.down)]
         q4 = dots and all(w.kind == BLOCK_KINDS["q4_1"] for w in lins)  # dpbf16.h's dp_q4_pass
-        if tiles:
+        # windows and soft caps: a sequence's rows attend a row at a time (cpu_step.c)
+        rowwise = step.weights.windowed or bool(step.weights.softcap)
+        if rowwise:
+            self.max_new = self.MAX_NEW_ROWWISE
+        elif tiles:
             self.max_new = self.MAX_NEW
         elif dots:
             self.max_new = self.MAX_NEW_DOTS_Q4 if q4 else self.MAX_NEW_DOTS
@@ -264,8 +357,9 @@ class FusedDecoder:
         self.max_batch = max_batch
         self.threads = ThreadChooser()
         # decodes whose contexts begin in the same pages read them once a chunk of rows
-        # (kernels/step.py's Cascade); False: once a row, as the model's forward does
-        self.cascade = True
+        # (kernels/step.py's Cascade; not within windows); False: once a row, as the
+        # model's forward does
+        self.cascade = not step.weights.windowed
         self._chunk_rows = Cascade.sequences(step.weights.num_heads, step.weights.num_kv_heads)
 
     @classmethod
@@ -279,9 +373,6 @@ class FusedDecoder:
             return None, "turned off"
         if type(backend) not in (CpuBackend, TorchNativeBackend):
             return None, f"attention backend {type(backend).__name__}"
-        windowed = any(getattr(model, "layer_windows", ()))
-        if windowed or float(getattr(model, "attention_softcap", 0.0)):
-            return None, "sliding-window or soft-capped attention"
         pool, scale = backend.pool, backend.scale
         spec = _SPECS.get(type(model))
         if spec is None:
@@ -320,8 +411,8 @@ class FusedDecoder:
         (then steps with adapters take the model's forward)."""
         from .lora.targets import LORA_MODULES
 
-        if not pool.native:
-            return False
+        if not pool.native or self.step.weights.out_norms:
+            return False  # the kernel adds no deltas where an output norm follows (Gemma)
         layers = len(self.step.weights.layers)
         descs = [pool.desc(m, layer) for layer in range(layers) for m in LORA_MODULES]
         if any(d is None for d in descs) or pool.shapes.num_layers != layers:
@@ -378,10 +469,10 @@ class FusedDecoder:
         seq_lens = [max(e, s.prompt_len) for e, s in zip(ends, seqs, strict=True)]
         row_lens = [seq_lens[i] for i in owner.tolist()] if extends else seq_lens
         steps = _RopeSteps(torch.from_numpy(pos), max(ends), row_lens, [1] * B)
-        cos, sin = self.model.ropes[0].cos_sin(steps)
-        half = cos.shape[-1]
-        cos = cos.reshape(B, half).to(torch.float32).contiguous()
-        sin = sin.reshape(B, half).to(torch.float32).contiguous()
+        rots = [rope.cos_sin(steps) for rope in self.model.ropes[: self.step.weights.ropes]]
+        half = rots[0][0].shape[-1]
+        cos = torch.stack([c.reshape(B, half) for c, _ in rots]).to(torch.float32).contiguous()
+        sin = torch.stack([s.reshape(B, half) for _, s in rots]).to(torch.float32).contiguous()
         threads = self.threads.pick(B)
         t0 = time.perf_counter()
         rows = None if plan is None else plan.rows

@@ -280,13 +280,15 @@ static inline void amx_store_pair(int64_t g, int64_t t0, int two, int rows2, int
 
 /* amx_tiles_cols' SiLU epilogue: the pair of a step is gate group g and up group
    g + up (the same columns of act), and the pair's sums meet as act = silu(gate) * up
-   in registers, written to act (fp32, where given) and act_b (bf16), rows `lda` apart:
-   no [rows, columns] gate and up go through memory and back. */
+   (tanh-GELU where `gelu`: Gemma) in registers, written to act (fp32, where given) and
+   act_b (bf16), rows `lda` apart: no [rows, columns] gate and up go through memory and
+   back. */
 typedef struct {
     int64_t up;      /* groups from a gate group to its up group (intermediate / 16) */
     float *act;      /* [M, lda] fp32, or NULL */
     uint16_t *act_b; /* [M, lda] bf16 */
     int64_t lda;
+    int gelu;
 } amx_silu_t;
 
 /* amx_expanded_cols over L->tiles (the weight written as B tiles once): nothing to
@@ -335,7 +337,8 @@ static inline void amx_silu_store(const amx_silu_t *sl, int64_t g, int64_t t0, i
     const int64_t n0 = g * GROUP;
     for (int64_t r = 0; r < 32 && t0 * 16 + r < M; r++) {
         const int64_t row = t0 * 16 + r;
-        const vf v = siluv(*(const vf *)(cb + r * 16)) * *(const vf *)(cb + 512 + r * 16);
+        const vf gate = *(const vf *)(cb + r * 16);
+        const vf v = (sl->gelu ? geluv(gate) : siluv(gate)) * *(const vf *)(cb + 512 + r * 16);
         if (sl->act) *(vf *)(sl->act + row * sl->lda + n0) = v;
         store_bf16(sl->act_b + row * sl->lda + n0, v);
     }
@@ -477,14 +480,15 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
    and c1 whole groups, all M rows of x (ldact: act's row stride). 0, or -1 (no tiles,
    AMX or scratch: the caller computes gate and up as it would without). */
 static int amx_silu_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t inter,
-                         int64_t c0, int64_t c1, float *act, uint16_t *act_b, int64_t ldact) {
+                         int64_t c0, int64_t c1, float *act, uint16_t *act_b, int64_t ldact,
+                         int gelu) {
     if (!L->tiles || inter % GROUP || c0 % GROUP || c1 % GROUP || !amx_ready()) return -1;
     const int64_t K = L->k, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64, part = amx_tiles_part(K);
     char *buf = dp_buffer(amx_tiles_bytes(M, K));
     if (buf == NULL) return -1;
     const uint16_t *xb = amx_rows_bf16(x, M, xs, K, (uint16_t *)buf);
-    const amx_silu_t sl = {inter / GROUP, act, act_b, ldact};
+    const amx_silu_t sl = {inter / GROUP, act, act_b, ldact, gelu};
     amx_tiles_cols(L, xb, M, c0 / GROUP, c1 / GROUP, NULL, 0, (float *)(buf + xb_bytes + part),
                    (float *)(buf + xb_bytes), &sl);
     return 0;

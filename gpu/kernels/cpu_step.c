@@ -14,6 +14,13 @@
  *   down = act @ Wdown; residual += down   cheaper than a barrier to share them; from
  *                                          CLAIM_MIN_ROWS rows the team shares them)
  *
+ * Gemma's layers are the same with its extras, each a field of model_t / layer_t: the
+ * embeddings scaled, the attention's and the MLP's outputs normed before the residual
+ * takes them, tanh-GELU for SiLU, a sliding window a layer (each row attends to its own
+ * last `window` keys; such steps attend a row at a time, no cascade), two RoPE tables
+ * (Gemma 3's windowed layers turn by their own base) and soft-capped scores and logits
+ * (Gemma 2).
+ *
  * Weights stay where the model keeps them, in whatever format its linear method chose
  * (gemv.h's lin_t: GGUF blocks, fp32/bf16/fp16 rows), KV in the pool's dtype (fp32 or
  * bf16); activations are fp32 throughout. gpu/kernels/step.py builds the model_t once
@@ -51,7 +58,12 @@ typedef struct {
     lin_t qkv, o, gate_up, down;
     const float *in_norm, *post_norm; /* [hidden] fp32 */
     const float *q_norm, *k_norm;     /* [head_dim] fp32, or NULL: each q and k head's
-                                         RMSNorm before RoPE (Qwen3) */
+                                         RMSNorm before RoPE (Qwen3, Gemma 3) */
+    const float *attn_out_norm, *ffn_out_norm; /* [hidden] fp32, or NULL: the attention's
+                                                  and the MLP's outputs normed before the
+                                                  residual takes them (Gemma) */
+    int64_t window; /* keys a row attends to, its own the last (a sliding window), or 0 */
+    int64_t rope;   /* which of the step's cos/sin tables turns this layer's q and k */
 } layer_t;
 
 typedef struct {
@@ -68,6 +80,11 @@ typedef struct {
     int64_t lora_rank;  /* the largest rank any slot may have */
     int64_t rot_half;   /* RoPE turns each head's first 2 rot_half values (head_dim / 2,
                            or fewer: partial rotary, Phi-4-mini) */
+    double embed_scale;   /* the embeddings times this (rounded to bf16 again with bf16
+                             embeddings, as the model's forward does), or 0 (Gemma) */
+    double softcap;       /* scores cap * tanh(s / cap) before the softmax, or 0 (Gemma 2) */
+    double final_softcap; /* the logits likewise, or 0 (Gemma 2) */
+    int64_t act_gelu;     /* the MLP's gate through tanh-GELU, not SiLU (Gemma) */
 } model_t;
 
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_N };
@@ -170,6 +187,16 @@ static void norm_share(float *res, const float *add, const float *w, float *xn, 
     }
 }
 
+/* Rows [r0, r1) of res, each plus its row of `add` normed by w first (Gemma's norms of
+   the attention's and the MLP's outputs), a row at a time through tmp [dim] */
+static void add_normed(float *res, const float *add, const float *w, float *tmp, int64_t r0,
+                       int64_t r1, int64_t dim, float eps) {
+    for (int64_t r = r0; r < r1; r++) {
+        norm_rows(add + r * dim, w, tmp, 1, dim, eps);
+        add_rows(res + r * dim, tmp, dim);
+    }
+}
+
 /* x[:half] <- x[:half] c - x[half:] s; x[half:] <- x[half:] c + x[:half] s */
 static void rope_head(float *x, const float *c, const float *s, int64_t half) {
     float *b = x + half;
@@ -243,8 +270,16 @@ static void attend_pages(int64_t kv_bf16, const float *q, const void *kh, const 
 static void attend_rows(const model_t *M, int64_t l, int64_t h, const float *q, int64_t rows,
                         const int64_t *pages, int64_t len, float *scores, float *acc, float *out,
                         float *ml) {
+    const int64_t W = M->layers[l].window, ps = M->page_size;
+    int64_t start = 0;
+    if (W > 0 && len > W) { /* the window's keys: from its first page, those before masked */
+        const int64_t first = len - W;
+        pages += first / ps;
+        len -= first / ps * ps;
+        start = first % ps;
+    }
     attend_pages(M->kv_bf16, q, kv_head(M, l, 0, h), kv_head(M, l, 1, h), pages, len, rows,
-                 M->head_dim, M->page_size, (float)M->scale, 0, 0.f, scores, acc, out, ml);
+                 M->head_dim, ps, (float)M->scale, start, (float)M->softcap, scores, acc, out, ml);
 }
 
 /* The G query heads of KV head h (rotated, in qkv's row b) over seq_len tokens */
@@ -336,7 +371,7 @@ static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qk
                          float *ml_rows) {
     const int64_t D = M->head_dim, H = M->heads, G = H / M->kv_heads;
     cascade_rows(M->kv_bf16, kv_head(M, l, 0, h), kv_head(M, l, 1, h), qkv + h * G * D, qkv_n,
-                 rows, n, pages, shared, G, D, M->page_size, (float)M->scale, 0.f, scores, acc,
+                 rows, n, pages, shared, G, D, M->page_size, (float)M->scale, (float)M->softcap, scores, acc,
                  cq, co, cml, attn + h * G * D, H * D, ml_rows + h * G * 2, H * 2);
 }
 
@@ -426,14 +461,14 @@ static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_
    no tiles) */
 static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hidden,
                          int64_t inter, int64_t c0, int64_t c1, float *tg, float *tu,
-                         float *act, uint16_t *act_b, int act_read, const lora_t *ll,
+                         float *act, uint16_t *act_b, int act_read, int gelu, const lora_t *ll,
                          const int32_t *row_slots, const float *u_gu, int64_t R) {
 #if defined(__AMX_BF16__)
     /* gate and up meet in the tiles' epilogue (amx.h; with the fp32 rows unwritten, the
        default model's gate/up and SiLU of a 512-token prompt ~30 -> ~23 ms, 2-core AMX
        Xeon) */
     if (!ll && act_b && L->act_bf16 && B >= AMX_TILES_MIN_ROWS &&
-        amx_silu_cols(L, xn, B, hidden, inter, c0, c1, act_read ? act : NULL, act_b, inter) == 0)
+        amx_silu_cols(L, xn, B, hidden, inter, c0, c1, act_read ? act : NULL, act_b, inter, gelu) == 0)
         return;
 #else
     (void)act_read;
@@ -451,8 +486,13 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
             const float *g = tg + r * w, *u = tu + r * w;
             float *o = act + r * inter + c;
             int64_t i = 0;
-            for (; i + VW <= w; i += VW) *(vf *)(o + i) = siluv(*(const vf *)(g + i)) * *(const vf *)(u + i);
-            for (; i < w; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            if (gelu) {
+                for (; i + VW <= w; i += VW) *(vf *)(o + i) = geluv(*(const vf *)(g + i)) * *(const vf *)(u + i);
+                for (; i < w; i++) o[i] = gelu1(g[i]) * u[i];
+            } else {
+                for (; i + VW <= w; i += VW) *(vf *)(o + i) = siluv(*(const vf *)(g + i)) * *(const vf *)(u + i);
+                for (; i < w; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            }
 #if defined(__AMX_BF16__)
             if (act_b) rows_bf16(o, act_b + r * inter + c, w);
 #endif
@@ -565,13 +605,16 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int64_t qkv_n = (H + 2 * Hkv) * D;
     const float eps = (float)M->eps;
     const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
+    int windowed = 0; /* some layer's rows attend within a window: each row its own */
+    for (int64_t l = 0; l < M->num_layers; l++) windowed |= M->layers[l].window > 0;
 #if defined(__AVX512BF16__)
-    /* rows of one sequence over a bf16 pool attend together, as prompts do */
-    const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
+    /* rows of one sequence over a bf16 pool attend together, as prompts do (flash.h
+       knows neither windows nor capped scores: those rows attend a row at a time) */
+    const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0 && !windowed && !(M->softcap > 0);
 #endif
     if (R > LORA_MAX_RANK) return -1;
     const int64_t most = G < CASCADE_ROWS ? CASCADE_ROWS : G;
-    if (store_first || !cascade_ok(row_shared, chunk_ptr, chunk_rows, n_chunks, seq_lens, B, G,
+    if (store_first || windowed || !cascade_ok(row_shared, chunk_ptr, chunk_rows, n_chunks, seq_lens, B, G,
                                    most, M->page_size))
         n_chunks = 0;
     /* query rows an attention call takes at most: a sequence's G, or a cascade chunk's */
@@ -641,7 +684,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         int64_t phase = 0;
         float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + SG * D +
                                                      SG * max_len + 3 * SG * D + 2 * B * R +
-                                                     (B * G * D + 1) / 2 + 8));
+                                                     (B * G * D + 1) / 2 + Hd + 8));
 #if defined(__AMX_BF16__)
         /* with the team's bf16 rows, the scratch of the linears over their tiles is had
            here, once: they then read those rows alone (no fallback that reads the fp32
@@ -661,6 +704,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             float *u_gu = cml + SG * D; /* this thread's gate and up shrinks */
             uint16_t *o16 = (uint16_t *)(u_gu + 2 * B * R);
             (void)o16;
+            float *normed = u_gu + 2 * B * R + (B * G * D + 1) / 2; /* a row: out_norm's */
             /* the residual rows and their norms: the team's (rr, xx; this thread makes
                rows [r0, r1)) or this thread's own (all rows) */
             const int split = rows_res != NULL;
@@ -674,6 +718,11 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                         rr[b * Hd + i] = bf16_f32(((const uint16_t *)M->embed)[tok * Hd + i]);
                 else
                     memcpy(rr + b * Hd, (const float *)M->embed + tok * Hd, sizeof(float) * (size_t)Hd);
+                if (M->embed_scale != 0.)
+                    for (int64_t i = 0; i < Hd; i++) {
+                        const float v = rr[b * Hd + i] * (float)M->embed_scale;
+                        rr[b * Hd + i] = M->embed_bf16 ? bf16_f32(f32_bf16(v)) : v;
+                    }
             }
             norm_share(rr, NULL, M->layers[0].in_norm, xx, rows_xb, r0, r1, Hd, eps);
             if (split) team_wait(&team, nt, &phase);
@@ -688,6 +737,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             for (int64_t l = 0; l < M->num_layers; l++) {
                 const layer_t *L = &M->layers[l];
                 const lora_t *ll = R ? M->lora + l * LORA_N : NULL;
+                const float *lcos = cos_t + L->rope * B * M->rot_half;
+                const float *lsin = sin_t + L->rope * B * M->rot_half;
                 _Atomic int64_t *cl = claims ? claims + l * 4 : NULL;
                 lin_team(&L->qkv, xx, rows_xb, B, Hd, qkv_n, qkv, qkv_n, cl, t, nt);
                 share(B, t, nt, &lo, &hi);
@@ -710,7 +761,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                                              0, h * D, (h + 1) * D, 1);
                     }
                     const int64_t skip = n_chunks ? row_shared[b] : 0;
-                    attention_task(M, l, b, h, qkv, qkv_n, cos_t, sin_t, slots[b],
+                    attention_task(M, l, b, h, qkv, qkv_n, lcos, lsin, slots[b],
                                    pages + b * table_stride, seq_lens[b], scores, acc,
                                    store_first ? NULL : attn + b * H * D + h * G * D, skip,
                                    ml_rows + (b * H + h * G) * 2);
@@ -783,8 +834,10 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 if (ll) { /* the adapters' deltas come between the add and the norm */
                     add_rows(rr + r0 * Hd, lin_out + r0 * Hd, (r1 - r0) * Hd);
                     lora_adds(&ll[LORA_O], row_slots, u_o, R, rr, Hd, 0, Hd, r0, r1);
-                }
-                norm_share(rr, ll ? NULL : lin_out, L->post_norm, xx, rows_xb, r0, r1, Hd, eps);
+                } else if (L->attn_out_norm)
+                    add_normed(rr, lin_out, L->attn_out_norm, normed, r0, r1, Hd, eps);
+                norm_share(rr, ll || L->attn_out_norm ? NULL : lin_out, L->post_norm, xx, rows_xb,
+                           r0, r1, Hd, eps);
                 if (split) team_wait(&team, nt, &phase);
                 if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xx, Hd, 0, B, u_gu, R);
                 if (cl) { /* chunks of at most SILU_CHUNK: tg and tu hold one */
@@ -792,12 +845,12 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                     claims_begin(xx, rows_xb, B, Hd);
                     for (int64_t a, z; claim_next(cl + 2, chunk, I, &a, &z);)
                         gate_up_silu(&L->gate_up, xx, B, Hd, I, a, z, tg, tu, act, rows_act,
-                                     !L->down.tiles, ll, row_slots, u_gu, R);
+                                     !L->down.tiles, (int)M->act_gelu, ll, row_slots, u_gu, R);
                     claims_end();
                 } else {
                     lin_part(I, t, nt, &c0, &c1);
-                    gate_up_silu(&L->gate_up, xx, B, Hd, I, c0, c1, tg, tu, act, NULL, 1, ll,
-                                 row_slots, u_gu, R);
+                    gate_up_silu(&L->gate_up, xx, B, Hd, I, c0, c1, tg, tu, act, NULL, 1,
+                                 (int)M->act_gelu, ll, row_slots, u_gu, R);
                 }
                 team_wait(&team, nt, &phase);
                 lin_team(&L->down, act, rows_act, B, I, Hd, lin_out, Hd, cl ? cl + 3 : NULL, t, nt);
@@ -807,9 +860,11 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 if (ll) {
                     add_rows(rr + r0 * Hd, lin_out + r0 * Hd, (r1 - r0) * Hd);
                     lora_adds(&ll[LORA_DOWN], row_slots, u_down, R, rr, Hd, 0, Hd, r0, r1);
-                }
+                } else if (L->ffn_out_norm)
+                    add_normed(rr, lin_out, L->ffn_out_norm, normed, r0, r1, Hd, eps);
                 const float *next = l + 1 < M->num_layers ? M->layers[l + 1].in_norm : M->final_norm;
-                norm_share(rr, ll ? NULL : lin_out, next, xx, rows_xb, r0, r1, Hd, eps);
+                norm_share(rr, ll || L->ffn_out_norm ? NULL : lin_out, next, xx, rows_xb, r0, r1,
+                           Hd, eps);
                 if (split) team_wait(&team, nt, &phase);
             }
             int64_t rows = B;
@@ -822,6 +877,9 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             }
             lin_part(M->vocab, t, nt, &c0, &c1);
             lin_cols(&M->head, xx, rows, Hd, c0, c1, logits, M->vocab);
+            if (M->final_softcap > 0. && c1 > c0)
+                for (int64_t r = 0; r < rows; r++)
+                    att_softcap(logits + r * M->vocab + c0, c1 - c0, (float)M->final_softcap);
             if (picks) {
                 for (int64_t r = 0; r < rows; r++)
                     part_picks[t * rows + r] =

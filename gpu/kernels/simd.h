@@ -135,6 +135,20 @@ static inline __attribute__((always_inline)) void tr16_dwords(__m512i r[16]) {
 #define siluv silu8
 #endif
 
+/* tanh-GELU (Gemma's MLP), 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3),
+   as g sigmoid(2u): silu's sigmoid, of z = 2u, exp taken of -|z| only */
+static inline vf geluv(vf g) {
+    const vf z = g * (1.5957691216057308f + 0.07135481627260025f * g * g);
+    const vi neg = z < z * 0.f;
+    const vf e = expv((vf)((vi)z | INT32_MIN)); /* exp(-|z|) */
+    const vf one = z * 0.f + 1.f;
+    return g * ((vf)(((vi)e & neg) | ((vi)one & ~neg)) / (1.f + e));
+}
+
+static inline float gelu1(float g) {
+    return g / (1.f + expf(-g * (1.5957691216057308f + 0.07135481627260025f * g * g)));
+}
+
 static inline float hsumv(vf v) {
 #if VW == 16
     const v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -42,6 +42,10 @@ class _Layer(ctypes.Structure):
         ("post_norm", _P),
         ("q_norm", _P),
         ("k_norm", _P),
+        ("attn_out_norm", _P),
+        ("ffn_out_norm", _P),
+        ("window", _I),
+        ("rope", _I),
     ]
 
 
@@ -68,6 +72,10 @@ class _Model(ctypes.Structure):
         ("lora", ctypes.POINTER(LoraDesc)),
         ("lora_rank", _I),
         ("rot_half", _I),
+        ("embed_scale", ctypes.c_double),
+        ("softcap", ctypes.c_double),
+        ("final_softcap", ctypes.c_double),
+        ("act_gelu", _I),
     ]
 
 
@@ -97,12 +105,19 @@ class LayerWeights:
     # [head_dim] each: every q and k head RMS-normed before RoPE (Qwen3), or None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # [hidden] each: the attention's and the MLP's outputs normed before the residual
+    # takes them (Gemma's "post" norms; post_norm above is the one before the MLP)
+    attn_out_norm: torch.Tensor | None = None
+    ffn_out_norm: torch.Tensor | None = None
+    window: int = 0  # keys each row attends to, its own the last (a sliding window); 0: all
+    rope: int = 0  # which of the step's cos/sin tables turns q and k (Gemma 3's windows: 1)
 
 
 @dataclass
 class StepWeights:
     """A Llama-shaped decoder as the kernel reads it (pre-norm RMSNorm layers, RoPE in
-    the halves layout, SiLU-gated MLP, any GQA grouping)."""
+    the halves layout, SiLU-gated MLP, any GQA grouping), or a Gemma one (its extras
+    below and in LayerWeights)."""
 
     embed: torch.Tensor  # [vocab, hidden] fp32 or bf16
     layers: list[LayerWeights]
@@ -114,6 +129,19 @@ class StepWeights:
     head_dim: int
     keep: list[Any] = field(default_factory=list)  # tensors the descriptors point into
     rotary_dim: int = 0  # RoPE on each head's first rotary_dim values (0: all head_dim)
+    ropes: int = 1  # cos/sin tables a step passes (LayerWeights.rope picks one)
+    embed_scale: float = 0.0  # the embeddings times this (0: not scaled)
+    softcap: float = 0.0  # attention scores cap * tanh(s / cap) (0: none)
+    final_softcap: float = 0.0  # the logits likewise
+    act: str = "silu"  # the MLP's gate: "silu" or "gelu_tanh"
+
+    @property
+    def windowed(self) -> bool:
+        return any(layer.window for layer in self.layers)
+
+    @property
+    def out_norms(self) -> bool:
+        return any(layer.attn_out_norm is not None for layer in self.layers)
 
     def check(self) -> str:
         """Why the kernel cannot run these weights, or "" when it can."""
@@ -126,6 +154,8 @@ class StepWeights:
             return "head layout"
         if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             return f"rotary dims {self.rotary_dim} of {self.head_dim}"
+        if self.act not in ("silu", "gelu_tanh"):
+            return f"activation {self.act}"
         hidden = self.embed.shape[1]
         for layer in self.layers:
             inter = layer.down.k
@@ -144,6 +174,13 @@ class StepWeights:
                 n is not None and n.shape != (self.head_dim,) for n in qk
             ):
                 return "q and k norms"
+            outs = (layer.attn_out_norm, layer.ffn_out_norm)
+            if (outs[0] is None) != (outs[1] is None) or any(
+                n is not None and n.shape != (hidden,) for n in outs
+            ):
+                return "output norms"
+            if layer.window < 0 or not 0 <= layer.rope < self.ropes:
+                return "window or RoPE table"
         return ""
 
 
@@ -301,7 +338,14 @@ class DecodeStep:
         norms = [
             [
                 _f32(n) if n is not None else None
-                for n in (x.in_norm, x.post_norm, x.q_norm, x.k_norm)
+                for n in (
+                    x.in_norm,
+                    x.post_norm,
+                    x.q_norm,
+                    x.k_norm,
+                    x.attn_out_norm,
+                    x.ffn_out_norm,
+                )
             ]
             for x in weights.layers
         ]
@@ -326,6 +370,8 @@ class DecodeStep:
                 _Layer(
                     *(lin(w) for w in (x.qkv, x.o, x.gate_up, x.down)),
                     *(n.data_ptr() if n is not None else None for n in ns),
+                    x.window,
+                    x.rope,
                 )
                 for x, ns in zip(weights.layers, norms, strict=True)
             )
@@ -351,12 +397,18 @@ class DecodeStep:
             num_pages=kv.shape[3],
             page_size=page_size,
             rot_half=(weights.rotary_dim or weights.head_dim) // 2,
+            embed_scale=weights.embed_scale,
+            softcap=weights.softcap,
+            final_softcap=weights.final_softcap,
+            act_gelu=int(weights.act == "gelu_tanh"),
         )
 
     def set_lora(self, descs: list[LoraDesc], max_rank: int) -> None:
         """Adapters for later steps: ``descs`` each layer's q, k, v, o, gate, up and down
         (``kernels/lora.py``, in that order), slots of rank at most ``max_rank``."""
         per_layer = 7
+        if self.weights.out_norms:  # cpu_step.c adds the deltas where no output norm follows
+            raise ValueError("adapters on a model whose layers norm their outputs (Gemma)")
         if len(descs) != per_layer * len(self.weights.layers):
             raise ValueError(f"{len(descs)} LoRA descriptors for {len(self.weights.layers)} layers")
         array = (LoraDesc * len(descs))(*descs)
@@ -382,7 +434,8 @@ class DecodeStep:
         cascade: Cascade | None = None,
         picks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens, slots, seq_lens [B] int64; cos, sin [B, head_dim / 2] fp32; pages
+        """tokens, slots, seq_lens [B] int64; cos, sin [ropes, B, rotary_dim / 2] fp32
+        (or [B, rotary_dim / 2] for one table); pages
         [B, P] int64 → logits [B, vocab] fp32 (the pool gets each token's K and V), on
         ``threads`` threads (default torch's count; the results do not depend on it).
         ``row_slots`` [B] int32: each row's adapter slot (-1: the base model; needs
@@ -411,6 +464,14 @@ class DecodeStep:
             picks.dtype != torch.int64 or picks.shape != (n_head,) or not picks.is_contiguous()
         ):
             raise ValueError(f"picks must be [{n_head}] int64")
+        half = self._model.rot_half
+        for t in (cos, sin):
+            if (
+                t.dtype != torch.float32
+                or not t.is_contiguous()
+                or t.numel() != self.weights.ropes * B * half
+            ):
+                raise ValueError(f"cos and sin must be [{self.weights.ropes}, {B}, {half}] fp32")
         rc = self._fn(
             ctypes.byref(self._model), B, tokens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
             slots.ctypes.data, pages.ctypes.data, pages.shape[1], seq_lens.ctypes.data,

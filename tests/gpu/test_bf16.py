@@ -141,6 +141,13 @@ def test_tiny_qwen3(family_model_factory: Callable[..., Path], fused: bool) -> N
     check(family_model_factory("qwen3"), "none", PROMPT, fused=fused)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_tiny_gemma(family_model_factory: Callable[..., Path], name: str) -> None:
+    """Gemma 2 and 3 through the fused step in bf16 (scaled embeddings, output norms,
+    tanh-GELU, windows shorter than the prompt, soft caps; Gemma 3's two RoPE bases)."""
+    check(family_model_factory(name), "none", PROMPT)
+
+
 def test_tiny_phi4_mini_shape(family_model_factory: Callable[..., Path]) -> None:
     """Phi-4-mini's shape (RoPE on 3/4 of each head, LongRoPE past 32 tokens) through
     the fused step. On this random model transformers' own bf16 logits lie ~4% of scale

@@ -396,13 +396,81 @@ def test_tiles_that_would_take_half_the_memory_left_are_left_out(
     assert make_runner(path, dtype="bfloat16", quantization="none").fused.step.tiles  # type: ignore[union-attr]
 
 
-def test_models_it_cannot_describe_keep_their_forward(
-    tiny_model_factory: Callable[..., Path],
-) -> None:
-    windowed = make_runner(tiny_model_factory("mistral", sliding_window=64))
-    assert windowed.fused is None
-    decoder, why = FusedDecoder.build(object(), windowed.backend, 8)
+def test_models_it_cannot_describe_keep_their_forward(tiny_llama: Path) -> None:
+    runner = make_runner(tiny_llama)
+    decoder, why = FusedDecoder.build(object(), runner.backend, 8)
     assert decoder is None and "registers no fused step" in why
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_gemmas_layers(family_model_factory: Callable[..., Path], name: str, level: str) -> None:
+    """Gemma 2 and 3 in every ISA build: embeddings scaled, the attention's and the MLP's
+    outputs normed, tanh-GELU, sliding windows (16 and 8 keys, shorter than the
+    contexts), Gemma 3's windowed layers on their own RoPE base and its q and k norms,
+    Gemma 2's capped scores and logits. (Each of these dropped from the step's weights
+    fails the comparison: tried.)"""
+    runner = assert_fused_matches_model(family_model_factory(name), level)
+    w = runner.fused.step.weights  # type: ignore[union-attr]
+    assert w.act == "gelu_tanh" and w.embed_scale > 1 and w.out_norms and w.windowed
+    assert {layer.window for layer in w.layers} == ({0, 16} if name == "gemma2" else {0, 8})
+    if name == "gemma2":
+        assert w.softcap > 0 and w.final_softcap > 0 and w.ropes == 1
+    else:
+        assert w.ropes == 2 and {layer.rope for layer in w.layers} == {0, 1}
+        assert all(layer.q_norm is not None for layer in w.layers)
+    assert runner.fused.max_new == FusedDecoder.MAX_NEW_ROWWISE  # type: ignore[union-attr]
+    assert not runner.fused.cascade  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_windowed_extensions(
+    family_model_factory: Callable[..., Path], tiny_model_factory: Callable[..., Path], name: str
+) -> None:
+    """Rows of one sequence over a cached prefix longer than the window (a follow-up
+    turn's tokens), beside decodes: each row attends to its own window's keys, as the
+    model's forward does (Mistral with a 16-key window on every layer)."""
+    path = (
+        family_model_factory(name)
+        if name == "gemma3"
+        else tiny_model_factory("mistral", sliding_window=16)
+    )
+    fused, plain = make_runner(path), make_runner(path, fused_decode_max_batch=0)
+    assert fused.fused is not None and fused.fused.step.weights.windowed
+    a, b = list(range(0, 8)), list(range(8, 16))
+    prompts = [SeqSpec(LONG[1][:40], 0, a), SeqSpec(PROMPTS[0], 0, b)]
+    steps = [
+        [SeqSpec(LONG[1][40:52], 40, a), SeqSpec([7], len(PROMPTS[0]), b)],  # 12 rows, a decode
+        [SeqSpec(LONG[1][52:53], 52, a), SeqSpec([8, 9, 10], len(PROMPTS[0]) + 1, b)],
+    ]
+    for r in (fused, plain):
+        r.run(prompts)
+    for step in steps:
+        assert fused.fused.accepts(step)
+        got, want = fused.run(step), plain.run(step)
+        assert (got - want).abs().max().item() < TOL
+
+
+def test_gelu_on_tiles_gives_the_expanded_weights_bits(
+    family_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 Gemma's step of 240 rows on AMX tiles: gate and up meet tanh-GELU in the
+    tiles' epilogue, to the bit what the step without tiles computes."""
+    path = family_model_factory("gemma3", hidden_size=256, num_attention_heads=4, head_dim=64)
+    tiled = make_runner(path, dtype="bfloat16", quantization="none", num_pages=400)
+    if tiled.fused is None or not tiled.fused.step.tiles:
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    monkeypatch.setattr(FusedDecoder, "AMX_TILES", False)
+    expanded = make_runner(path, dtype="bfloat16", quantization="none", num_pages=400)
+    assert expanded.fused is not None and not expanded.fused.step.tiles
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(15)]  # 15 sequences, 64 tokens
+    prompts = [SeqSpec(LONG[1][i : i + 20], 0, t) for i, t in enumerate(tables)]
+    step = [SeqSpec(LONG[1][i + 20 : i + 36], 20, t) for i, t in enumerate(tables)]
+    for r in (tiled, expanded):
+        r.fused.threads.options = lambda: [2]  # type: ignore[union-attr,method-assign]
+        r.run(prompts)
+    assert tiled.fused.accepts(step)  # 240 rows: the team's bf16 rows, the SiLU/GELU epilogue
+    assert torch.equal(tiled.run(step), expanded.run(step))
 
 
 def test_a_plugins_attention_backend_sees_every_step(tiny_llama: Path) -> None:
