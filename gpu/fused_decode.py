@@ -17,7 +17,7 @@ registered is fused: a subclass that changes the layer math is never taken for i
 parent. Qwen3 registers the Llama spec, which reads its per-head q and k norms (the
 step norms each head before RoPE); Gemma 2 and 3 register their own (``gemma_spec``:
 scaled embeddings, output norms, tanh-GELU, two RoPE tables, soft caps). Layers with a
-sliding window attend within it, a row at a time.
+sliding window attend within it.
 
 With LoRA (``attach_lora``), steps whose rows use adapters stay fused too: the step
 reads the worker's adapter slots in place (``kernels/lora.py``'s descriptors) and adds
@@ -340,11 +340,7 @@ class FusedDecoder:
         dots = step.kv_bf16 and step.weights.head_dim % 32 == 0 and level in _BF16_LEVELS
         lins = [w for x in step.weights.layers for w in (x.qkv, x.o, x.gate_up, x.down)]
         q4 = dots and all(w.kind == BLOCK_KINDS["q4_1"] for w in lins)  # dpbf16.h's dp_q4_pass
-        # windows and soft caps: a sequence's rows attend a row at a time (cpu_step.c)
-        rowwise = step.weights.windowed or bool(step.weights.softcap)
-        if rowwise:
-            self.max_new = self.MAX_NEW_ROWWISE
-        elif tiles:
+        if tiles:
             self.max_new = self.MAX_NEW
         elif dots:
             self.max_new = self.MAX_NEW_DOTS_Q4 if q4 else self.MAX_NEW_DOTS

@@ -87,20 +87,6 @@ static inline __attribute__((always_inline)) void att_weigh(const int bf16, floa
     for (int j = 0; j < W; j++) *(v8f *)(acc + 8 * j) = a[j];
 }
 
-/* s[0..n) = cap * tanh(s / cap), tanh from exp8 of -2|x| (its domain; no overflow) */
-static void att_softcap(float *s, int64_t n, float cap) {
-    const float inv = 1.f / cap;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const v8f x = *(v8f *)(s + i) * inv;
-        const v8i sign = (v8i)x & INT32_MIN;
-        const v8f e = exp8((v8f)((v8i)x | INT32_MIN) * 2.f); /* exp(-2|x|) */
-        const v8f t = (1.f - e) / (1.f + e);                  /* tanh(|x|) */
-        *(v8f *)(s + i) = (v8f)((v8i)t | sign) * cap;
-    }
-    for (; i < n; i++) s[i] = tanhf(s[i] * inv) * cap;
-}
-
 /* q [G, D] against `len` tokens whose pages are `table`; k and v point at this head's
    [num_pages, page_size, D]. Keys before `start` (< page_size) are masked out; `cap` > 0
    soft-caps the scores. scores [G, len] and acc [G, D] are the caller's scratch;

@@ -17,7 +17,7 @@
  * Gemma's layers are the same with its extras, each a field of model_t / layer_t: the
  * embeddings scaled, the attention's and the MLP's outputs normed before the residual
  * takes them, tanh-GELU for SiLU, a sliding window a layer (each row attends to its own
- * last `window` keys; such steps attend a row at a time, no cascade), two RoPE tables
+ * last `window` keys; no cascade), two RoPE tables
  * (Gemma 3's windowed layers turn by their own base) and soft-capped scores and logits
  * (Gemma 2).
  *
@@ -442,8 +442,8 @@ static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_
     fa_tiles_on(tiles);
     for (int64_t t0 = 0; t0 < n; t0 += FA_QB)
         fa_task(qkv + r0 * qkv_n + h * GD, 1, qkv_n, kh, vh, pages, start, t0,
-                t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D,
-                M->page_size, (float)M->scale, o16, GD, &sc, tiles);
+                t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D, M->page_size, (float)M->scale,
+                M->layers[l].window, (float)M->softcap, o16, GD, &sc, tiles);
     fa_tiles_off(tiles);
     for (int64_t t = 0; t < n; t++) {
         float *o = attn ? attn + (r0 + t) * HD + h * GD : NULL; /* NULL: bf16 alone */
@@ -605,12 +605,11 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int64_t qkv_n = (H + 2 * Hkv) * D;
     const float eps = (float)M->eps;
     const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
-    int windowed = 0; /* some layer's rows attend within a window: each row its own */
+    int windowed = 0; /* some layer's rows attend within windows: no cascade */
     for (int64_t l = 0; l < M->num_layers; l++) windowed |= M->layers[l].window > 0;
 #if defined(__AVX512BF16__)
-    /* rows of one sequence over a bf16 pool attend together, as prompts do (flash.h
-       knows neither windows nor capped scores: those rows attend a row at a time) */
-    const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0 && !windowed && !(M->softcap > 0);
+    /* rows of one sequence over a bf16 pool attend together, as prompts do */
+    const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
 #endif
     if (R > LORA_MAX_RANK) return -1;
     const int64_t most = G < CASCADE_ROWS ? CASCADE_ROWS : G;

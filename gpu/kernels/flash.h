@@ -52,7 +52,8 @@ typedef struct {
     float *alpha;  /* [rows]: the block's rescale of the running sums */
     float *o;      /* [rows, D]: running outputs */
     float *m, *l;  /* [rows]: running max (base 2, scaled) and sum */
-    int64_t *seen; /* [FA_QB]: keys of the block each token sees */
+    int64_t *seen; /* [FA_QB]: keys of the block each token sees, up to */
+    int64_t *from; /* [FA_QB]: the first of them (a sliding window's; else 0) */
     int64_t w;     /* W */
 } fa_scratch;
 
@@ -64,11 +65,11 @@ static size_t fa_carve(char *buf, int64_t G, int64_t D, fa_scratch *sc) {
     const size_t sizes[] = {rows * D * 2,     (size_t)D / 2 * FA_KB * 4, (size_t)FA_KB / 2 * D * 4,
                             rows * w * 4,     rows * FA_KB * 2,          rows * FA_KB * 2,
                             rows * 4,         rows * D * 4,              rows * 4,
-                            rows * 4,         FA_QB * 8};
+                            rows * 4,         FA_QB * 8,                 FA_QB * 8};
     void **parts[] = {(void **)&sc->q,     (void **)&sc->kt, (void **)&sc->vp, (void **)&sc->s,
                       (void **)&sc->p,     (void **)&sc->plo, (void **)&sc->alpha,
                       (void **)&sc->o,     (void **)&sc->m,  (void **)&sc->l,
-                      (void **)&sc->seen};
+                      (void **)&sc->seen, (void **)&sc->from};
     size_t at = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         if (buf) *parts[i] = buf + at;
@@ -175,10 +176,10 @@ static inline __m512 fa_exp2_bf16(__m512 x) {
    those units), in passes over its 16 rows so that their chains overlap: each row's new
    max, every row's rescale factor at once, then the probabilities (rounded to bf16 for
    their product with V; with `lo` also what the rounding left, rounded again) and their
-   sums. seen[i]: the keys row i sees (0: it keeps its state, alpha 1, as m starts at
-   -FLT_MAX rather than -inf). */
-static void fa_softmax(const fa_scratch *sc, int64_t t, const int64_t *seen, int64_t most,
-                       float scale, int lo) {
+   sums. Row i sees keys [from[i], seen[i]) (seen 0: none; it keeps its state, alpha 1,
+   as m starts at -FLT_MAX rather than -inf). */
+static void fa_softmax(const fa_scratch *sc, int64_t t, const int64_t *seen,
+                       const int64_t *from, int64_t most, float scale, int lo) {
     const int64_t groups = (most + 15) / 16, chunks = (most + 31) / 32, r0 = t * 16;
     const float c2 = scale * 1.44269504088896341f;
     float mnew[16], sums[16];
@@ -187,8 +188,9 @@ static void fa_softmax(const fa_scratch *sc, int64_t t, const int64_t *seen, int
         const float *sr = sc->s + (r0 + r) * sc->w;
         __m512 mx = _mm512_set1_ps(-FLT_MAX);
         for (int c = 0; c < FA_KB / 16; c++) {
-            const int64_t n = seen[r] - c * 16;
-            live[r][c] = n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+            const int64_t n = seen[r] - c * 16, f = from[r] - c * 16;
+            const __mmask16 below = f >= 16 ? 0xffff : f > 0 ? (__mmask16)((1u << f) - 1) : 0;
+            live[r][c] = (n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0) & ~below;
         }
         for (int c = 0; c < groups; c++)
             mx = _mm512_mask_max_ps(mx, live[r][c], mx, _mm512_loadu_ps(sr + c * 16));
@@ -346,11 +348,14 @@ static inline void fa_tiles_off(int tiles) {
 
 /* One task: KV head h (its K and V at kh, vh), tokens [t0, t1) of the n new ones; the
    products on AMX tiles (`tiles`, configured by the caller) or dot products. q: bf16,
-   or with q_f32 fp32 rows, rounded to bf16 as they are gathered. */
+   or with q_f32 fp32 rows, rounded to bf16 as they are gathered. window > 0: each token
+   sees its own last `window` keys alone (the blocks before the first token's window are
+   skipped); cap > 0: the scaled scores become cap * tanh(s / cap) (Gemma 2). */
 static void fa_task(const void *q, int q_f32, int64_t q_row, const uint16_t *kh,
                     const uint16_t *vh, const int64_t *pages, int64_t start, int64_t t0,
                     int64_t t1, int64_t h, int64_t G, int64_t D, int64_t ps, float scale,
-                    uint16_t *out, int64_t out_row, const fa_scratch *sc, const int tiles) {
+                    int64_t window, float cap, uint16_t *out, int64_t out_row,
+                    const fa_scratch *sc, const int tiles) {
     const int64_t nq = t1 - t0, per = (nq + 15) / 16, padded = per * 16, rtiles = G * per;
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < padded; i++) {
@@ -371,24 +376,35 @@ static void fa_task(const void *q, int q_f32, int64_t q_row, const uint16_t *kh,
     memset(sc->o, 0, sizeof(float) * (size_t)(rtiles * 16 * D));
 
     const int64_t keys = start + t1; /* the last token sees this many */
-    for (int64_t k0 = 0; k0 < keys; k0 += FA_KB) {
+    const int64_t first = window > 0 && start + t0 >= window ? start + t0 - window + 1 : 0;
+    for (int64_t k0 = first / FA_KB * FA_KB; k0 < keys; k0 += FA_KB) {
         const int64_t nk = keys - k0 < FA_KB ? keys - k0 : FA_KB;
         for (int64_t i = 0; i < padded; i++) { /* causal: token i sees positions <= its own */
             const int64_t qpos = start + t0 + i;
-            sc->seen[i] = i >= nq || k0 > qpos ? 0 : qpos - k0 + 1 < nk ? qpos - k0 + 1 : nk;
+            int64_t hi = i >= nq || k0 > qpos ? 0 : qpos - k0 + 1 < nk ? qpos - k0 + 1 : nk;
+            int64_t lo = window > 0 && qpos - window + 1 > k0 ? qpos - window + 1 - k0 : 0;
+            if (lo >= hi) lo = hi = 0; /* its window begins past this block */
+            sc->seen[i] = hi, sc->from[i] = lo;
         }
         fa_pack(kh, vh, pages, ps, k0, nk, D, sc->kt, sc->vp);
-        /* a tile's most is its last real token's; tiles with none are in the block's past */
+        /* a tile's most is its rows' most (its last real token's, where no window ends
+           its view of the block sooner); tiles with none are in the block's past */
         int64_t most[FA_QB / 16];
         for (int64_t j = 0; j < per; j++) {
-            const int64_t last = (j + 1) * 16 < nq ? (j + 1) * 16 - 1 : nq - 1;
-            most[j] = sc->seen[last];
+            most[j] = 0;
+            for (int64_t i = j * 16; i < (j + 1) * 16; i++)
+                most[j] = sc->seen[i] > most[j] ? sc->seen[i] : most[j];
         }
         for (int64_t t = 0; t < rtiles; t++)
             if (most[t % per]) (tiles ? fa_scores_amx : fa_scores_dp)(sc, t, most[t % per], D);
+        if (cap > 0.f) /* s * scale capped: s becomes (cap / scale) tanh(s / (cap / scale)) */
+            for (int64_t t = 0; t < rtiles; t++)
+                for (int64_t r = 0; most[t % per] && r < 16; r++)
+                    att_softcap(sc->s + (t * 16 + r) * sc->w, most[t % per], cap / scale);
         for (int64_t t = 0; t < rtiles; t++)
             if (most[t % per])
-                fa_softmax(sc, t, sc->seen + (t % per) * 16, most[t % per], scale, !tiles);
+                fa_softmax(sc, t, sc->seen + (t % per) * 16, sc->from + (t % per) * 16,
+                           most[t % per], scale, !tiles);
         for (int64_t t = 0; t < rtiles; t++)
             if (most[t % per]) (tiles ? fa_values_amx : fa_values_dp)(sc, t, most[t % per], D);
         for (int64_t t = 0; t < rtiles; t++)
@@ -441,7 +457,7 @@ static int fa_prefill(const uint16_t *q, int64_t q_row, const uint16_t *k, const
                 const int64_t b = blocks - 1 - tsk / Hkv, h = tsk % Hkv;
                 const int64_t t0 = b * qb, t1 = t0 + qb < n ? t0 + qb : n;
                 fa_task(q, 0, q_row, k + h * head, v + h * head, pages, start, t0, t1, h, G, D, ps,
-                        scale, out, out_row, &sc, tiles);
+                        scale, 0, 0.f, out, out_row, &sc, tiles);
             }
             fa_tiles_off(tiles);
         }

@@ -149,6 +149,21 @@ static inline float gelu1(float g) {
     return g / (1.f + expf(-g * (1.5957691216057308f + 0.07135481627260025f * g * g)));
 }
 
+/* s[0..n) = cap * tanh(s / cap) (soft-capped scores and logits: Gemma 2), tanh from
+   exp8 of -2|x| (its domain; no overflow) */
+static inline void att_softcap(float *s, int64_t n, float cap) {
+    const float inv = 1.f / cap;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f x = *(v8f *)(s + i) * inv;
+        const v8i sign = (v8i)x & INT32_MIN;
+        const v8f e = exp8((v8f)((v8i)x | INT32_MIN) * 2.f); /* exp(-2|x|) */
+        const v8f t = (1.f - e) / (1.f + e);                  /* tanh(|x|) */
+        *(v8f *)(s + i) = (v8f)((v8i)t | sign) * cap;
+    }
+    for (; i < n; i++) s[i] = tanhf(s[i] * inv) * cap;
+}
+
 static inline float hsumv(vf v) {
 #if VW == 16
     const v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -419,7 +419,6 @@ def test_gemmas_layers(family_model_factory: Callable[..., Path], name: str, lev
     else:
         assert w.ropes == 2 and {layer.rope for layer in w.layers} == {0, 1}
         assert all(layer.q_norm is not None for layer in w.layers)
-    assert runner.fused.max_new == FusedDecoder.MAX_NEW_ROWWISE  # type: ignore[union-attr]
     assert not runner.fused.cascade  # type: ignore[union-attr]
 
 
@@ -449,6 +448,43 @@ def test_windowed_extensions(
         assert fused.fused.accepts(step)
         got, want = fused.run(step), plain.run(step)
         assert (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("name,head_dim", [("gemma2", 32), ("gemma3", 32), ("gemma3", 64)])
+def test_windowed_and_capped_rows_attend_together(
+    family_model_factory: Callable[..., Path], name: str, head_dim: int
+) -> None:
+    """Over a bf16 pool, in the builds with AVX512-BF16, a sequence's new tokens attend
+    together (flash.h) within their windows (each row from its own window's first key;
+    blocks before the first row's window skipped) and with capped scores (Gemma 2), on
+    AMX tiles at D = 64 where granted, else dot products: what they give a row at a time
+    within bf16 rounding."""
+    path = family_model_factory(name, hidden_size=128, num_attention_heads=4, head_dim=head_dim)
+    runner = make_runner(path, dtype="bfloat16", num_pages=400)
+    fused = runner.fused
+    assert fused is not None
+    level = fused.isa or native.best_isa().name
+    if level not in ("avx512bf16", "amx"):
+        pytest.skip(f"the {level} build attends a row at a time")
+    a, b = list(range(0, 60)), list(range(60, 80))
+    runner.run([SeqSpec(LONG[1][:300], 0, a), SeqSpec(PROMPTS[0], 0, b)])  # the forward
+    steps = [
+        [SeqSpec(LONG[0][:24], 300, a), SeqSpec([7], 41, b)],  # 24 rows over 300 cached
+        [SeqSpec(LONG[0][24:33], 324, a), SeqSpec(LONG[0][60:72], 42, b)],  # 9 and 12
+    ]
+    if fused.max_new == FusedDecoder.MAX_NEW:  # on tiles: 300 rows, blocks of 256 keys
+        steps.append([SeqSpec(LONG[0][100:400], 333, a)])
+    for i, step in enumerate(steps):
+        assert fused.accepts(step)
+        before = runner.pool.kv.clone()
+        fused.step.extend_flash = False
+        rowwise = runner.run(step)
+        runner.pool.kv.copy_(before)
+        fused.step.extend_flash = True
+        together = runner.run(step)
+        scale = rowwise.abs().max().item()
+        assert (together - rowwise).abs().max().item() <= 0.03 * scale, i
+        assert not torch.equal(together, rowwise), i  # they did attend together
 
 
 def test_gelu_on_tiles_gives_the_expanded_weights_bits(
