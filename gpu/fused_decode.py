@@ -40,7 +40,7 @@ from .attention.cpu import CpuBackend
 from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.attention import prefill_tiles
-from .kernels.qgemm import BLOCK_KINDS
+from .kernels.qgemm import BLOCK_KINDS, Lin
 from .kernels.step import Cascade, DecodeStep, LayerWeights, StepWeights, native_step
 from .kv_pool import KVPool
 from .models.gemma import (
@@ -73,6 +73,16 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
     _SPECS[model_cls] = fn
 
 
+def _layer_lins(attn: Attention, mlp: GatedMLP) -> tuple[Lin, Lin, Lin, Lin] | None:
+    """A layer's qkv, o, gate_up and down as kernel descriptors, or None."""
+    qkv, o, gate_up, down = (
+        native_lin(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    )
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    return qkv, o, gate_up, down
+
+
 def _head(model: Any) -> Any:
     """The LM head's kernel descriptor, or None."""
     if model.head is not None:
@@ -100,7 +110,7 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
     layers = []
     layer: Any
     rotary = int(info.head_dim * info.partial_rotary_factor)  # a share of a head: Phi-4-mini
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, GatedMLP):
             return None
@@ -110,17 +120,20 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]  # StepWeights checks both
         if any(type(n) is not RMSNorm or n.eps != info.rms_norm_eps for n in (*norms, *qk)):
             return None
-        lins = [
-            native_lin(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        ]
-        if any(lin is None for lin in lins):
+        lins = _layer_lins(attn, mlp)
+        if lins is None:
             return None
-        qkv, o, gate_up, down = lins
         q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
         layers.append(
-            LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)  # type: ignore[arg-type]
+            LayerWeights(
+                *lins,  # qkv, o, gate_up, down
+                in_norm=norms[0].weight,
+                post_norm=norms[1].weight,
+                q_norm=q_norm,
+                k_norm=k_norm,
+                window=model.layer_windows[i],
+            )
         )
-        layers[-1].window = model.layer_windows[len(layers) - 1]
     head = _head(model)
     if head is None or type(model.model.norm) is not RMSNorm:
         return None
@@ -166,24 +179,17 @@ def gemma_spec(model: Gemma2ForCausalLM) -> StepWeights | None:
         qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
         if any(type(n) is not GemmaRMSNorm or n.eps != info.rms_norm_eps for n in (*norms, *qk)):
             return None
-        lins = [
-            native_lin(m)
-            for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        ]
-        if any(lin is None for lin in lins):
+        lins = _layer_lins(attn, layer.mlp)
+        if lins is None:
             return None
-        qkv, o, gate_up, down = lins
         q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
         layers.append(
             LayerWeights(
-                qkv,  # type: ignore[arg-type]
-                o,  # type: ignore[arg-type]
-                gate_up,  # type: ignore[arg-type]
-                down,  # type: ignore[arg-type]
-                norms[0].weight,
-                norms[1].weight,
-                q_norm,
-                k_norm,
+                *lins,  # qkv, o, gate_up, down
+                in_norm=norms[0].weight,
+                post_norm=norms[1].weight,
+                q_norm=q_norm,
+                k_norm=k_norm,
                 attn_out_norm=norms[2].weight,
                 ffn_out_norm=norms[3].weight,
                 window=model.layer_windows[i],

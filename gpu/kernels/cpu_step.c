@@ -17,9 +17,8 @@
  * Gemma's layers are the same with its extras, each a field of model_t / layer_t: the
  * embeddings scaled, the attention's and the MLP's outputs normed before the residual
  * takes them, tanh-GELU for SiLU, a sliding window a layer (each row attends to its own
- * last `window` keys; no cascade), two RoPE tables
- * (Gemma 3's windowed layers turn by their own base) and soft-capped scores and logits
- * (Gemma 2).
+ * last `window` keys; no cascade), two RoPE tables (Gemma 3's windowed layers turn by
+ * their own base) and soft-capped scores and logits (Gemma 2).
  *
  * Weights stay where the model keeps them, in whatever format its linear method chose
  * (gemv.h's lin_t: GGUF blocks, fp32/bf16/fp16 rows), KV in the pool's dtype (fp32 or
@@ -371,8 +370,8 @@ static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qk
                          float *ml_rows) {
     const int64_t D = M->head_dim, H = M->heads, G = H / M->kv_heads;
     cascade_rows(M->kv_bf16, kv_head(M, l, 0, h), kv_head(M, l, 1, h), qkv + h * G * D, qkv_n,
-                 rows, n, pages, shared, G, D, M->page_size, (float)M->scale, (float)M->softcap, scores, acc,
-                 cq, co, cml, attn + h * G * D, H * D, ml_rows + h * G * 2, H * 2);
+                 rows, n, pages, shared, G, D, M->page_size, (float)M->scale, (float)M->softcap,
+                 scores, acc, cq, co, cml, attn + h * G * D, H * D, ml_rows + h * G * 2, H * 2);
 }
 
 #if defined(__AVX512BF16__)
@@ -605,16 +604,21 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int64_t qkv_n = (H + 2 * Hkv) * D;
     const float eps = (float)M->eps;
     const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
-    int windowed = 0; /* some layer's rows attend within windows: no cascade */
-    for (int64_t l = 0; l < M->num_layers; l++) windowed |= M->layers[l].window > 0;
+    int windowed = 0, out_norms = 0; /* windows: no cascade */
+    for (int64_t l = 0; l < M->num_layers; l++) {
+        windowed |= M->layers[l].window > 0;
+        out_norms |= M->layers[l].attn_out_norm != NULL;
+    }
+    if (R && out_norms) return -1; /* adapters' deltas go where no output norm follows
+                                      (kernels/step.py refuses them there) */
 #if defined(__AVX512BF16__)
     /* rows of one sequence over a bf16 pool attend together, as prompts do */
     const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
 #endif
     if (R > LORA_MAX_RANK) return -1;
     const int64_t most = G < CASCADE_ROWS ? CASCADE_ROWS : G;
-    if (store_first || windowed || !cascade_ok(row_shared, chunk_ptr, chunk_rows, n_chunks, seq_lens, B, G,
-                                   most, M->page_size))
+    if (store_first || windowed ||
+        !cascade_ok(row_shared, chunk_ptr, chunk_rows, n_chunks, seq_lens, B, G, most, M->page_size))
         n_chunks = 0;
     /* query rows an attention call takes at most: a sequence's G, or a cascade chunk's */
     const int64_t SG = n_chunks ? most : G;
