@@ -66,29 +66,17 @@ REAL_SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
-    "gemma3-1b": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        dict(
-            vocab_size=262144,
-            hidden_size=1152,
-            intermediate_size=6912,
-            num_hidden_layers=26,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=256,
-            query_pre_attn_scalar=256,
-            sliding_window=512,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-6,
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-            },
-            tie_word_embeddings=True,
-        ),
-    ),
 }
+REAL_SHAPES["gemma3-1b"] = (  # the 270M's family, the 1B's sizes
+    "Gemma3TextConfig",
+    "Gemma3ForCausalLM",
+    {
+        **REAL_SHAPES["gemma3-270m"][2],
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+    },
+)
 
 
 def build_real_shape(name: str, out: Path, seed: int = 0) -> Path:

@@ -40,7 +40,7 @@ from .attention.cpu import CpuBackend
 from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.attention import prefill_tiles
-from .kernels.qgemm import BLOCK_KINDS, Lin
+from .kernels.qgemm import BLOCK_KINDS
 from .kernels.step import Cascade, DecodeStep, LayerWeights, StepWeights, native_step
 from .kv_pool import KVPool
 from .models.gemma import (
@@ -73,14 +73,26 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
     _SPECS[model_cls] = fn
 
 
-def _layer_lins(attn: Attention, mlp: GatedMLP) -> tuple[Lin, Lin, Lin, Lin] | None:
-    """A layer's qkv, o, gate_up and down as kernel descriptors, or None."""
+def _layer(
+    attn: Attention, mlp: GatedMLP, norms: tuple[RMSNorm, ...], eps: float, window: int, rope: int
+) -> LayerWeights | None:
+    """A layer as step weights: its four linears as kernel descriptors, ``norms`` (before
+    attention, before the MLP, and Gemma's of their outputs) and its q and k norms, all of
+    the class of ``norms[0]`` and of ``eps``, its window and RoPE table; or None."""
+    qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]  # StepWeights checks both
+    if any(type(n) is not type(norms[0]) or n.eps != eps for n in (*norms, *qk)):
+        return None
     qkv, o, gate_up, down = (
         native_lin(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     )
     if qkv is None or o is None or gate_up is None or down is None:
         return None
-    return qkv, o, gate_up, down
+    q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
+    made = LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)
+    if len(norms) == 4:
+        made.attn_out_norm, made.ffn_out_norm = norms[2].weight, norms[3].weight
+    made.window, made.rope = window, rope
+    return made
 
 
 def _head(model: Any) -> Any:
@@ -96,6 +108,23 @@ def _head(model: Any) -> Any:
     from .kernels.qgemm import lin_dense
 
     return lin_dense(model.lm_head_weight())
+
+
+def _weights(model: Any, layers: list[LayerWeights], norm: type[RMSNorm]) -> StepWeights | None:
+    """``layers`` with the model's embeddings, final norm (of class ``norm``) and head."""
+    head, info, final = _head(model), model.info, model.model.norm
+    if head is None or type(final) is not norm:
+        return None
+    return StepWeights(
+        embed=model.model.embed_tokens.weight.data,
+        layers=layers,
+        final_norm=final.weight,
+        head=head,
+        eps=info.rms_norm_eps,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+    )
 
 
 def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
@@ -117,37 +146,16 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
         if attn.rotary_dim != rotary or mlp.act != "silu":
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]  # StepWeights checks both
-        if any(type(n) is not RMSNorm or n.eps != info.rms_norm_eps for n in (*norms, *qk)):
+        if type(norms[0]) is not RMSNorm:
             return None
-        lins = _layer_lins(attn, mlp)
-        if lins is None:
+        made = _layer(attn, mlp, norms, info.rms_norm_eps, model.layer_windows[i], 0)
+        if made is None:
             return None
-        q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
-        layers.append(
-            LayerWeights(
-                *lins,  # qkv, o, gate_up, down
-                in_norm=norms[0].weight,
-                post_norm=norms[1].weight,
-                q_norm=q_norm,
-                k_norm=k_norm,
-                window=model.layer_windows[i],
-            )
-        )
-    head = _head(model)
-    if head is None or type(model.model.norm) is not RMSNorm:
-        return None
-    return StepWeights(
-        embed=model.model.embed_tokens.weight.data,
-        layers=layers,
-        final_norm=model.model.norm.weight,
-        head=head,
-        eps=info.rms_norm_eps,
-        num_heads=info.num_heads,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        rotary_dim=rotary,
-    )
+        layers.append(made)
+    weights = _weights(model, layers, RMSNorm)
+    if weights is not None:
+        weights.rotary_dim = rotary
+    return weights
 
 
 register_spec(LlamaForCausalLM, llama_spec)
@@ -176,46 +184,23 @@ def gemma_spec(model: Gemma2ForCausalLM) -> StepWeights | None:
             layer.post_attention_layernorm,
             layer.post_feedforward_layernorm,
         )
-        qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-        if any(type(n) is not GemmaRMSNorm or n.eps != info.rms_norm_eps for n in (*norms, *qk)):
+        if type(norms[0]) is not GemmaRMSNorm:
             return None
-        lins = _layer_lins(attn, layer.mlp)
-        if lins is None:
-            return None
-        q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
-        layers.append(
-            LayerWeights(
-                *lins,  # qkv, o, gate_up, down
-                in_norm=norms[0].weight,
-                post_norm=norms[1].weight,
-                q_norm=q_norm,
-                k_norm=k_norm,
-                attn_out_norm=norms[2].weight,
-                ffn_out_norm=norms[3].weight,
-                window=model.layer_windows[i],
-                rope=model.rope_of(i),
-            )
+        made = _layer(
+            attn, layer.mlp, norms, info.rms_norm_eps, model.layer_windows[i], model.rope_of(i)
         )
-    head = _head(model)
-    if head is None or type(model.model.norm) is not GemmaRMSNorm:
-        return None
-    embed = model.model.embed_tokens.weight.data
-    return StepWeights(
-        embed=embed,
-        layers=layers,
-        final_norm=model.model.norm.weight,
-        head=head,
-        eps=info.rms_norm_eps,
-        num_heads=info.num_heads,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        ropes=len(model.ropes),
+        if made is None:
+            return None
+        layers.append(made)
+    weights = _weights(model, layers, GemmaRMSNorm)
+    if weights is not None:
+        weights.ropes = len(model.ropes)
         # the scale rounded to the embeddings' dtype, as the model's forward takes it
-        embed_scale=float(torch.tensor(model.embed_scale, dtype=embed.dtype)),
-        softcap=model.attention_softcap,
-        final_softcap=float(info.final_logit_softcapping or 0.0),
-        act="gelu_tanh",
-    )
+        weights.embed_scale = float(torch.tensor(model.embed_scale, dtype=weights.embed.dtype))
+        weights.softcap = model.attention_softcap
+        weights.final_softcap = float(info.final_logit_softcapping or 0.0)
+        weights.act = "gelu_tanh"
+    return weights
 
 
 for _gemma in (Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration):

@@ -184,6 +184,26 @@ def test_a_prompts_chunks_before_its_last_ride_in_the_step(tiny_llama: Path) -> 
     assert_steps_match(fused, plain, steps, [True] * len(steps))
 
 
+def together_against_rowwise(runner: ModelRunner, steps: list[list[SeqSpec]]) -> list[bool]:
+    """Each step run with a sequence's rows attending together and a row at a time (from
+    the same pool), within 3% of the scale; whether each step's two logits differ."""
+    fused = runner.fused
+    assert fused is not None
+    differs = []
+    for i, step in enumerate(steps):
+        assert fused.accepts(step)
+        before = runner.pool.kv.clone()
+        fused.step.extend_flash = False
+        rowwise = runner.run(step)
+        runner.pool.kv.copy_(before)
+        fused.step.extend_flash = True
+        together = runner.run(step)
+        scale = rowwise.abs().max().item()
+        assert (together - rowwise).abs().max().item() <= 0.03 * scale, i
+        differs.append(not torch.equal(together, rowwise))
+    return differs
+
+
 @pytest.mark.parametrize("weights", ["dense", "blocks"])
 def test_extensions_attend_together_over_a_bf16_pool(
     tiny_model_factory: Callable[..., Path], tmp_path: Path, weights: str
@@ -220,18 +240,7 @@ def test_extensions_attend_together_over_a_bf16_pool(
     ]
     if weights == "blocks":
         steps.append([SeqSpec(LONG[0][66:130], 666, a)])  # 64 rows
-    differs = []
-    for i, step in enumerate(steps):
-        assert fused.accepts(step)
-        before = runner.pool.kv.clone()
-        fused.step.extend_flash = False
-        rowwise = runner.run(step)
-        runner.pool.kv.copy_(before)
-        fused.step.extend_flash = True
-        together = runner.run(step)
-        scale = rowwise.abs().max().item()
-        assert (together - rowwise).abs().max().item() <= 0.03 * scale, i  # seen: <= 1.7%
-        differs.append(not torch.equal(together, rowwise))
+    differs = together_against_rowwise(runner, steps)  # seen: <= 1.7% of the scale
     # the rows did attend together: on AMX a row's own attention rounds q and P to bf16
     # as the tiles do, and a step's logits may then agree to the bit (seen: steps 3, 4)
     assert any(differs) if tiles else all(differs), differs
@@ -474,17 +483,7 @@ def test_windowed_and_capped_rows_attend_together(
     ]
     if fused.max_new == FusedDecoder.MAX_NEW:  # on tiles: 300 rows, blocks of 256 keys
         steps.append([SeqSpec(LONG[0][100:400], 333, a)])
-    for i, step in enumerate(steps):
-        assert fused.accepts(step)
-        before = runner.pool.kv.clone()
-        fused.step.extend_flash = False
-        rowwise = runner.run(step)
-        runner.pool.kv.copy_(before)
-        fused.step.extend_flash = True
-        together = runner.run(step)
-        scale = rowwise.abs().max().item()
-        assert (together - rowwise).abs().max().item() <= 0.03 * scale, i
-        assert not torch.equal(together, rowwise), i  # they did attend together
+    assert all(together_against_rowwise(runner, steps))  # they did attend together
 
 
 def test_gelu_on_tiles_gives_the_expanded_weights_bits(
