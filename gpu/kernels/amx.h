@@ -47,7 +47,7 @@
    ffn_up / attn_q alone and warm 0.062 / 0.027 -> 0.049 / 0.023 ms at 32 rows, 0.100 /
    0.035 -> 0.066 / 0.029 at 40, where the blocks' row tiles pad 40 rows to 48
    (bench/qgemm.py); the fused decode step (bench/forward.py, context 256) level at 29-31
-   rows, 8% slower at 28, 3-9% faster at 32 and 8-12% at 36 and 40 */
+   rows, 6-8% slower at 28, 1-9% faster at 32 and 5-12% at 36 and 40 */
 #define AMX_DQ_MIN_ROWS 32
 /* more rows: a weight written as tiles (lin_t's `tiles`) read as they lie instead of
    expanded from its codes: 2 bytes a weight from memory where the codes are ~0.56, so

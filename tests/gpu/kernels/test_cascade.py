@@ -183,10 +183,10 @@ def test_the_backends_decodes_attend_in_a_cascade(d64: Path) -> None:
 
 
 def test_soft_capped_scores_in_a_cascade(family_model_factory: Callable[..., Path]) -> None:
-    """Gemma 2 through its layers (the fused step, which attends windows row by row,
-    off): soft-capped scores over fp32 pages take the backend's kernel too; its global
-    layers attend in a cascade (its windowed ones cannot: their keys start inside a
-    page), and the logits are those of attending row by row."""
+    """Gemma 2 through its layers (the fused step, which takes no cascade on a windowed
+    model, off): soft-capped scores over fp32 pages take the backend's kernel too; its
+    global layers attend in a cascade (its windowed ones cannot: their keys start inside
+    a page), and the logits are those of attending row by row."""
     runner = make_runner(family_model_factory("gemma2"), num_pages=400, fused_decode_max_batch=0)
     got, want, _, found = run_shared_prefix(runner, 9, 320, TAILS)
     assert runner.fused is None and found is not None
