@@ -398,8 +398,8 @@ class FusedDecoder:
         (then steps with adapters take the model's forward)."""
         from .lora.targets import LORA_MODULES
 
-        if not pool.native or self.step.weights.out_norms:
-            return False  # the kernel adds no deltas where an output norm follows (Gemma)
+        if not pool.native:
+            return False
         layers = len(self.step.weights.layers)
         descs = [pool.desc(m, layer) for layer in range(layers) for m in LORA_MODULES]
         if any(d is None for d in descs) or pool.shapes.num_layers != layers:

@@ -187,11 +187,20 @@ static void norm_share(float *res, const float *add, const float *w, float *xn, 
 }
 
 /* Rows [r0, r1) of res, each plus its row of `add` normed by w first (Gemma's norms of
-   the attention's and the MLP's outputs), a row at a time through tmp [dim] */
+   the attention's and the MLP's outputs), a row at a time through tmp [dim]; with L (the
+   projection's adapters) each row's delta from its shrink (u + r * R) added before the
+   norm, as the model adds it to the projection's output */
 static void add_normed(float *res, const float *add, const float *w, float *tmp, int64_t r0,
-                       int64_t r1, int64_t dim, float eps) {
+                       int64_t r1, int64_t dim, float eps, const lora_t *L,
+                       const int32_t *row_slots, const float *u, int64_t R) {
     for (int64_t r = r0; r < r1; r++) {
-        norm_rows(add + r * dim, w, tmp, 1, dim, eps);
+        const float *src = add + r * dim;
+        if (L && lora_rank(L, row_slots[r])) {
+            memcpy(tmp, src, sizeof(float) * (size_t)dim);
+            lora_expand_rows(L, row_slots[r], u + r * R, 0, tmp, 0, 0, dim, 1);
+            src = tmp;
+        }
+        norm_rows(src, w, tmp, 1, dim, eps);
         add_rows(res + r * dim, tmp, dim);
     }
 }
@@ -604,13 +613,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int64_t qkv_n = (H + 2 * Hkv) * D;
     const float eps = (float)M->eps;
     const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
-    int windowed = 0, out_norms = 0; /* windows: no cascade */
-    for (int64_t l = 0; l < M->num_layers; l++) {
-        windowed |= M->layers[l].window > 0;
-        out_norms |= M->layers[l].attn_out_norm != NULL;
-    }
-    if (R && out_norms) return -1; /* adapters' deltas go where no output norm follows
-                                      (kernels/step.py refuses them there) */
+    int windowed = 0; /* windows: no cascade */
+    for (int64_t l = 0; l < M->num_layers; l++) windowed |= M->layers[l].window > 0;
 #if defined(__AVX512BF16__)
     /* rows of one sequence over a bf16 pool attend together, as prompts do */
     const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
@@ -834,11 +838,13 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 share(B, t, nt, &lo, &hi);
                 if (ll) lora_shrinks(ll, LORA_O, 1, row_slots, attn, H * D, lo, hi, u_o, R);
                 team_wait(&team, nt, &phase);
-                if (ll) { /* the adapters' deltas come between the add and the norm */
+                if (L->attn_out_norm)
+                    add_normed(rr, lin_out, L->attn_out_norm, normed, r0, r1, Hd, eps,
+                               ll ? &ll[LORA_O] : NULL, row_slots, u_o, R);
+                else if (ll) { /* the adapters' deltas come between the add and the norm */
                     add_rows(rr + r0 * Hd, lin_out + r0 * Hd, (r1 - r0) * Hd);
                     lora_adds(&ll[LORA_O], row_slots, u_o, R, rr, Hd, 0, Hd, r0, r1);
-                } else if (L->attn_out_norm)
-                    add_normed(rr, lin_out, L->attn_out_norm, normed, r0, r1, Hd, eps);
+                }
                 norm_share(rr, ll || L->attn_out_norm ? NULL : lin_out, L->post_norm, xx, rows_xb,
                            r0, r1, Hd, eps);
                 if (split) team_wait(&team, nt, &phase);
@@ -860,11 +866,13 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 share(B, t, nt, &lo, &hi);
                 if (ll) lora_shrinks(ll, LORA_DOWN, 1, row_slots, act, I, lo, hi, u_down, R);
                 team_wait(&team, nt, &phase);
-                if (ll) {
+                if (L->ffn_out_norm)
+                    add_normed(rr, lin_out, L->ffn_out_norm, normed, r0, r1, Hd, eps,
+                               ll ? &ll[LORA_DOWN] : NULL, row_slots, u_down, R);
+                else if (ll) {
                     add_rows(rr + r0 * Hd, lin_out + r0 * Hd, (r1 - r0) * Hd);
                     lora_adds(&ll[LORA_DOWN], row_slots, u_down, R, rr, Hd, 0, Hd, r0, r1);
-                } else if (L->ffn_out_norm)
-                    add_normed(rr, lin_out, L->ffn_out_norm, normed, r0, r1, Hd, eps);
+                }
                 const float *next = l + 1 < M->num_layers ? M->layers[l + 1].in_norm : M->final_norm;
                 norm_share(rr, ll || L->ffn_out_norm ? NULL : lin_out, next, xx, rows_xb, r0, r1,
                            Hd, eps);

@@ -139,10 +139,6 @@ class StepWeights:
     def windowed(self) -> bool:
         return any(layer.window for layer in self.layers)
 
-    @property
-    def out_norms(self) -> bool:
-        return any(layer.attn_out_norm is not None for layer in self.layers)
-
     def check(self) -> str:
         """Why the kernel cannot run these weights, or "" when it can."""
         if (
@@ -407,8 +403,6 @@ class DecodeStep:
         """Adapters for later steps: ``descs`` each layer's q, k, v, o, gate, up and down
         (``kernels/lora.py``, in that order), slots of rank at most ``max_rank``."""
         per_layer = 7
-        if self.weights.out_norms:  # cpu_step.c adds the deltas where no output norm follows
-            raise ValueError("adapters on a model whose layers norm their outputs (Gemma)")
         if len(descs) != per_layer * len(self.weights.layers):
             raise ValueError(f"{len(descs)} LoRA descriptors for {len(self.weights.layers)} layers")
         array = (LoraDesc * len(descs))(*descs)

@@ -84,13 +84,17 @@ def test_fused_adapter_steps_match_the_models_forward(
     assert all((d > 2) == bool(n) for d, n in zip(diff.tolist(), NAMES, strict=True))
 
 
-def test_qwen3s_adapted_q_and_k_are_normed_after_their_deltas(
-    family_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_adapted_projections_are_normed_after_their_deltas(
+    family_model_factory: Callable[..., Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    family: str,
 ) -> None:
-    """Qwen3 adds q's and k's deltas to the projections, then norms each head: the fused
-    step in that order too (fp32, against the model's forward)."""
-    base = family_model_factory("qwen3")
-    root = tmp_path_factory.mktemp("qwen3-lora")
+    """Qwen3 adds q's and k's deltas to the projections, then norms each head; Gemma 3
+    adds o's and down's deltas, then norms those outputs before the residual takes them:
+    the fused step in that order too (fp32, against the model's forward)."""
+    base = family_model_factory(family)
+    root = tmp_path_factory.mktemp(f"{family}-lora")
     adapters = {
         name: build_lora_adapter(base, root / name, **spec)  # type: ignore[arg-type]
         for name, spec in LORA_ADAPTERS.items()
