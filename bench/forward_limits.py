@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from actorlm.gpu.kernels.qgemm import AMX_TILES_MIN_ROWS
 from actorlm.gpu.model_info import ModelInfo
+from actorlm.gpu.models.moe import SparseMoE
 from actorlm.gpu.onednn import OneDNNLinear
 from actorlm.gpu.quantization import Fp16Linear, GGUFLinear, native_lin
 from actorlm.gpu.runner import ModelRunner
@@ -32,6 +33,20 @@ def _linears(model: nn.Module) -> list[nn.Module]:
     if head is not None and head not in found:
         found.append(head)
     return found
+
+
+def _expert_shares(model: nn.Module, batch: int) -> dict[int, float]:
+    """Each sparse MoE expert linear's share of a step of ``batch`` rows: the experts a
+    step is expected to touch, with every row routed uniformly (1 - (1 - k/E)^batch of
+    them), for the bytes it reads; ``batch`` 0: k/E, for the FLOPs a row takes."""
+    shares: dict[int, float] = {}
+    for moe in model.modules():
+        if isinstance(moe, SparseMoE):
+            pick = moe.top_k / len(moe.experts)
+            share = 1 - (1 - pick) ** batch if batch else pick
+            for expert in moe.experts:
+                shares.update({id(m): share for m in expert.modules() if m is not expert})
+    return shares
 
 
 def _shape(m: nn.Module) -> tuple[int, int]:
@@ -60,38 +75,43 @@ def _dense_bytes(m: nn.Module) -> int:
 
 def decode_bytes(runner: ModelRunner, batch: int, context: int) -> int:
     """Bytes one decode step of ``batch`` sequences over ``context`` cached tokens reads:
-    every weight once, as the step's path keeps it, and each sequence's K and V."""
+    every weight once, as the step's path keeps it (a sparse MoE's experts that its rows
+    are expected to pick), and each sequence's K and V."""
     fused = runner.fused
     small = fused is not None and batch <= fused.max_batch
     # from amx.h's AMX_DQ_MIN_ROWS rows the step's layers read their AMX tiles instead
     tiles = fused.step.tiles if fused is not None and small and batch >= AMX_TILES_MIN_ROWS else []
-    total = sum(t.nbytes for t in tiles)
+    total = float(sum(t.nbytes for t in tiles))
+    experts = _expert_shares(runner.model, batch)
     for m in _linears(runner.model):
-        if tiles and _shape(m)[0] != runner.info.vocab_size:
-            continue
+        if tiles and _shape(m)[0] != runner.info.vocab_size and id(m) not in experts:
+            continue  # the step's tiles (experts have none)
         if small or (isinstance(m, GGUFLinear) and batch <= m.max_rows(runner.dtype)):
             lin = native_lin(m)
             assert lin is not None
-            total += sum(t.nbytes for t in lin.keep)
+            nbytes = sum(t.nbytes for t in lin.keep)
         else:
-            total += _dense_bytes(m)
+            nbytes = _dense_bytes(m)
+        total += nbytes * experts.get(id(m), 1.0)
     model = runner.model
     if getattr(model, "tied", False) and getattr(model, "head", None) is None:
         total += model.lm_head_weight().nbytes  # logits straight from the embedding
     info = runner.info
     kv = runner.pool.kv.element_size() * 2 * info.num_layers * info.num_kv_heads * info.head_dim
-    return total + batch * context * kv
+    return int(total) + batch * context * kv
 
 
 def prefill_flops(model: nn.Module, info: ModelInfo, tokens: int) -> float:
     """FLOPs of a fresh prompt: its linear layers (the LM head for one row) and causal
-    attention (QK^T and PV over the lower triangle)."""
+    attention (QK^T and PV over the lower triangle); a sparse MoE's experts for the
+    rows routed to them."""
     head = getattr(model, "head", None)
     flops = 0.0
+    experts = _expert_shares(model, 0)
     for m in _linears(model):
         n, k = _shape(m)
         rows = 1 if m is head or n == info.vocab_size else tokens
-        flops += 2.0 * rows * n * k
+        flops += 2.0 * rows * n * k * experts.get(id(m), 1.0)
     attn = 2 * 2 * info.num_heads * info.head_dim * tokens * (tokens + 1) / 2
     return flops + info.num_layers * attn
 

@@ -78,6 +78,30 @@ REAL_SHAPES["gemma3-1b"] = (  # the 270M's family, the 1B's sizes
     },
 )
 
+# Qwen3-30B-A3B's layout (128 experts, 8 a token, q/k norms) at a quarter of its widths
+# and 12 of its 48 layers: ~1B parameters, ~0.2B active a token
+REAL_SHAPES["qwen3-moe-a0.2b"] = (
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        moe_intermediate_size=192,
+        intermediate_size=1536,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+)
+
 
 def build_real_shape(name: str, out: Path, seed: int = 0) -> Path:
     import torch

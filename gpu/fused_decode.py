@@ -17,7 +17,9 @@ registered is fused: a subclass that changes the layer math is never taken for i
 parent. Qwen3 registers the Llama spec, which reads its per-head q and k norms (the
 step norms each head before RoPE); Gemma 2 and 3 register their own (``gemma_spec``:
 scaled embeddings, output norms, tanh-GELU, two RoPE tables, soft caps). Layers with a
-sliding window attend within it.
+sliding window attend within it. Qwen3-MoE and Mixtral register the Llama spec too:
+their ``SparseMoE`` layers become ``MoEWeights`` (the router and each expert's two
+linears), routed and run inside the step.
 
 With LoRA (``attach_lora``), steps whose rows use adapters stay fused too: the step
 reads the worker's adapter slots in place (``kernels/lora.py``'s descriptors) and adds
@@ -41,7 +43,7 @@ from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.attention import prefill_tiles
 from .kernels.qgemm import BLOCK_KINDS
-from .kernels.step import Cascade, DecodeStep, LayerWeights, StepWeights, native_step
+from .kernels.step import Cascade, DecodeStep, LayerWeights, MoEWeights, StepWeights, native_step
 from .kv_pool import KVPool
 from .models.gemma import (
     Gemma2ForCausalLM,
@@ -51,7 +53,9 @@ from .models.gemma import (
 )
 from .models.layers import Attention, GatedMLP, GemmaRMSNorm, RMSNorm
 from .models.llama import DecoderLayer, LlamaForCausalLM
-from .models.qwen3 import Qwen3ForCausalLM
+from .models.mixtral import MixtralForCausalLM
+from .models.moe import SparseMoE
+from .models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from .quantization import native_lin
 
 if TYPE_CHECKING:
@@ -73,22 +77,51 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
     _SPECS[model_cls] = fn
 
 
+def _moe(moe: SparseMoE) -> MoEWeights | None:
+    """A sparse MoE's router and experts as step weights, or None (a shared expert)."""
+    if moe.shared_expert is not None:
+        return None
+    moe.dense_experts()  # plain experts stacked now, as the forward would on first use
+    experts = []
+    mlps: list[GatedMLP] = list(moe.experts)  # type: ignore[arg-type]
+    for mlp in mlps:
+        gate_up, down = native_lin(mlp.gate_up_proj), native_lin(mlp.down_proj)
+        if gate_up is None or down is None:
+            return None
+        experts.append((gate_up, down))
+    return MoEWeights(moe.gate.weight.data, experts, moe.top_k, moe.renormalize)
+
+
 def _layer(
-    attn: Attention, mlp: GatedMLP, norms: tuple[RMSNorm, ...], eps: float, window: int, rope: int
+    attn: Attention,
+    mlp: GatedMLP | SparseMoE,
+    norms: tuple[RMSNorm, ...],
+    eps: float,
+    window: int,
+    rope: int,
 ) -> LayerWeights | None:
-    """A layer as step weights: its four linears as kernel descriptors, ``norms`` (before
-    attention, before the MLP, and Gemma's of their outputs) and its q and k norms, all of
-    the class of ``norms[0]`` and of ``eps``, its window and RoPE table; or None."""
+    """A layer as step weights: its linears as kernel descriptors (a sparse MoE's
+    experts in place of the dense MLP's two), ``norms`` (before attention, before the
+    MLP, and Gemma's of their outputs) and its q and k norms, all of the class of
+    ``norms[0]`` and of ``eps``, its window and RoPE table; or None."""
     qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]  # StepWeights checks both
     if any(type(n) is not type(norms[0]) or n.eps != eps for n in (*norms, *qk)):
         return None
-    qkv, o, gate_up, down = (
-        native_lin(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    )
-    if qkv is None or o is None or gate_up is None or down is None:
+    qkv, o = native_lin(attn.qkv_proj), native_lin(attn.o_proj)
+    if qkv is None or o is None:
         return None
     q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
-    made = LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)
+    if isinstance(mlp, SparseMoE):
+        moe = _moe(mlp)
+        if moe is None:
+            return None
+        made = LayerWeights(qkv, o, None, None, norms[0].weight, norms[1].weight, q_norm, k_norm)
+        made.moe = moe
+    else:
+        gate_up, down = native_lin(mlp.gate_up_proj), native_lin(mlp.down_proj)
+        if gate_up is None or down is None:
+            return None
+        made = LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)
     if len(norms) == 4:
         made.attn_out_norm, made.ffn_out_norm = norms[2].weight, norms[3].weight
     made.window, made.rope = window, rope
@@ -129,8 +162,8 @@ def _weights(model: Any, layers: list[LayerWeights], norm: type[RMSNorm]) -> Ste
 
 def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
     """The Llama family's layers (Mistral, Qwen2 with its qkv bias, SmolLM2, Phi-3 and
-    Phi-4-mini's partial rotary, their sliding windows; Qwen3 with its q and k norms) as
-    step weights."""
+    Phi-4-mini's partial rotary, their sliding windows; Qwen3 with its q and k norms;
+    Qwen3-MoE and Mixtral with their experts) as step weights."""
     info = model.info
     if len(model.ropes) != 1 or info.final_logit_softcapping or model.attention_softcap:
         return None  # one RoPE table, uncapped scores and logits
@@ -141,7 +174,10 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
     rotary = int(info.head_dim * info.partial_rotary_factor)  # a share of a head: Phi-4-mini
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, GatedMLP):
+        if (type(layer), type(attn)) != (DecoderLayer, Attention) or type(mlp) not in (
+            GatedMLP,
+            SparseMoE,
+        ):
             return None
         if attn.rotary_dim != rotary or mlp.act != "silu":
             return None
@@ -158,8 +194,8 @@ def llama_spec(model: LlamaForCausalLM) -> StepWeights | None:
     return weights
 
 
-register_spec(LlamaForCausalLM, llama_spec)
-register_spec(Qwen3ForCausalLM, llama_spec)
+for _llama in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM):
+    register_spec(_llama, llama_spec)
 
 
 def gemma_spec(model: Gemma2ForCausalLM) -> StepWeights | None:
@@ -329,7 +365,7 @@ class FusedDecoder:
         self.isa = level
         tiles = step.kv_bf16 and step.weights.head_dim % 64 == 0 and prefill_tiles(level)
         dots = step.kv_bf16 and step.weights.head_dim % 32 == 0 and level in _BF16_LEVELS
-        lins = [w for x in step.weights.layers for w in (x.qkv, x.o, x.gate_up, x.down)]
+        lins = [w for x in step.weights.layers for w in x.lins()]
         q4 = dots and all(w.kind == BLOCK_KINDS["q4_1"] for w in lins)  # dpbf16.h's dp_q4_pass
         if tiles:
             self.max_new = self.MAX_NEW
@@ -387,10 +423,7 @@ class FusedDecoder:
         """Where the step's weights live (``data_ptr``): tensors it reads in their plain
         layout, which must stay as they are (``onednn.pack_linears`` leaves them)."""
         w = self.step.weights
-        lins = [
-            w.head,
-            *(getattr(lw, f) for lw in w.layers for f in ("qkv", "o", "gate_up", "down")),
-        ]
+        lins = [w.head, *(lin for layer in w.layers for lin in layer.lins())]
         return {t.data_ptr() for lin in lins for t in getattr(lin, "keep", ())}
 
     def attach_lora(self, pool: LoraMemoryPool) -> bool:
@@ -398,8 +431,8 @@ class FusedDecoder:
         (then steps with adapters take the model's forward)."""
         from .lora.targets import LORA_MODULES
 
-        if not pool.native:
-            return False
+        if not pool.native or any(x.moe for x in self.step.weights.layers):
+            return False  # adapters on experts: the model's forward
         layers = len(self.step.weights.layers)
         descs = [pool.desc(m, layer) for layer in range(layers) for m in LORA_MODULES]
         if any(d is None for d in descs) or pool.shapes.num_layers != layers:

@@ -20,6 +20,9 @@
  * last `window` keys; no cascade), two RoPE tables (Gemma 3's windowed layers turn by
  * their own base) and soft-capped scores and logits (Gemma 2).
  *
+ * A sparse MoE layer (layer_t.router: Qwen3-MoE, Mixtral) takes the MLP's place:
+ * moe_mlp routes each row, gathers the rows by expert and runs each expert once.
+ *
  * Weights stay where the model keeps them, in whatever format its linear method chose
  * (gemv.h's lin_t: GGUF blocks, fp32/bf16/fp16 rows), KV in the pool's dtype (fp32 or
  * bf16); activations are fp32 throughout. gpu/kernels/step.py builds the model_t once
@@ -63,6 +66,13 @@ typedef struct {
                                                   residual takes them (Gemma) */
     int64_t window; /* keys a row attends to, its own the last (a sliding window), or 0 */
     int64_t rope;   /* which of the step's cos/sin tables turns this layer's q and k */
+    /* a sparse MoE in place of the dense MLP (gate_up and down unset), or router NULL */
+    const float *router;   /* [num_experts, hidden] fp32 */
+    const lin_t *experts;  /* [num_experts][2]: each expert's gate_up and down */
+    int64_t num_experts, top_k, moe_inter;
+    int64_t renorm;     /* the top k's weights scaled to sum to 1 (Mixtral, Qwen3-MoE) */
+    int64_t route_bf16; /* the router's inputs, scores and weights rounded to bf16, as a
+                           bf16 model's forward makes them */
 } layer_t;
 
 typedef struct {
@@ -508,6 +518,113 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
     }
 }
 
+/* A sparse MoE layer's MLP (layer_t.router): every row's top_k experts by the router's
+ * softmax; the (row, expert) pairs gathered by expert, so each expert's weights are read
+ * once a step for all its rows (a decode batch of 8 at 8 of 128 experts a row reads up
+ * to 64 experts, each with 1-2 rows); each expert's gate_up, activation and down over
+ * its rows, the columns split over the team; each row's outputs weighted and added to
+ * its residual. Four barriers: after the routing, the gathering, gate_up and down. */
+typedef struct {
+    int64_t *ids; /* [B * top_k] each pair's expert (pair b * top_k + j: row b's j-th) */
+    float *w;     /* [B * top_k] its weight */
+    float *x;     /* [B * top_k, hidden] the pairs' rows by expert, then their outputs */
+    float *act;   /* [B * top_k, moe_inter] */
+} moe_t;
+
+typedef struct { /* a thread's own */
+    int64_t *start;      /* [E + 1] where each expert's pairs begin in moe_t.x */
+    int64_t *order, *inv; /* [B * top_k] the pair at each place, the place of each pair */
+    float *probs, *row;  /* [E], [hidden] */
+} moe_own_t;
+
+static inline float bf16_round(float f) { return bf16_f32(f32_bf16(f)); }
+
+/* ids, w of rows [b0, b1): softmax over all experts, the top k (the first of equals
+   first), renormalized where the family does; as SparseMoE.route computes them */
+static void moe_route(const layer_t *L, const float *x, int64_t Hd, int64_t b0, int64_t b1,
+                      const moe_t *S, const moe_own_t *own) {
+    const int64_t E = L->num_experts, k = L->top_k;
+    float *p = own->probs;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xr = x + b * Hd;
+        if (L->route_bf16) {
+            for (int64_t i = 0; i < Hd; i++) own->row[i] = bf16_round(xr[i]);
+            xr = own->row;
+        }
+        float most = -INFINITY, sum = 0.f;
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = dot(xr, L->router + e * Hd, Hd);
+            if (L->route_bf16) p[e] = bf16_round(p[e]);
+            most = p[e] > most ? p[e] : most;
+        }
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - most);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        float total = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = 0;
+            for (int64_t e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
+            S->ids[b * k + j] = best;
+            total += S->w[b * k + j] = p[best];
+            p[best] = -1.f; /* taken */
+        }
+        for (int64_t j = 0; j < k; j++) {
+            float v = S->w[b * k + j];
+            if (L->renorm) v /= total;
+            S->w[b * k + j] = L->route_bf16 ? bf16_round(v) : v;
+        }
+    }
+}
+
+/* The pairs [0, P) by expert, in pair order within one (a stable counting sort) */
+static void moe_group(const int64_t *ids, int64_t P, int64_t E, const moe_own_t *own) {
+    int64_t *start = own->start;
+    memset(start, 0, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t p = 0; p < P; p++) own->order[own->inv[p] = start[ids[p]]++] = p;
+    for (int64_t e = E; e > 0; e--) start[e] = start[e - 1]; /* back to each one's first */
+    start[0] = 0;
+}
+
+/* rr's rows [r0, r1) += the MoE of xx's (all B rows of xx normed: the team's, or this
+   thread's copy) */
+static void moe_mlp(const model_t *M, const layer_t *L, const float *xx, float *rr, int64_t r0,
+                    int64_t r1, int64_t B, const moe_t *S, const moe_own_t *own, float *tg,
+                    float *tu, team_t *team, int t, int nt, int64_t *phase) {
+    const int64_t Hd = M->hidden, I = L->moe_inter, k = L->top_k, E = L->num_experts, P = B * k;
+    int64_t lo, hi, c0, c1;
+    share(B, t, nt, &lo, &hi);
+    moe_route(L, xx, Hd, lo, hi, S, own);
+    team_wait(team, nt, phase);
+    moe_group(S->ids, P, E, own);
+    share(P, t, nt, &lo, &hi);
+    for (int64_t q = lo; q < hi; q++)
+        memcpy(S->x + q * Hd, xx + own->order[q] / k * Hd, sizeof(float) * (size_t)Hd);
+    team_wait(team, nt, phase);
+    lin_part(I, t, nt, &c0, &c1);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t a = own->start[e], n = own->start[e + 1] - a;
+        if (n)
+            gate_up_silu(&L->experts[2 * e], S->x + a * Hd, n, Hd, I, c0, c1, tg, tu,
+                         S->act + a * I, NULL, 1, (int)M->act_gelu, NULL, NULL, NULL, 0);
+    }
+    team_wait(team, nt, phase);
+    lin_part(Hd, t, nt, &c0, &c1);
+    for (int64_t e = 0; e < E; e++) { /* the outputs over the inputs, read by now */
+        const int64_t a = own->start[e], n = own->start[e + 1] - a;
+        if (n) lin_cols(&L->experts[2 * e + 1], S->act + a * I, n, I, c0, c1, S->x + a * Hd, Hd);
+    }
+    team_wait(team, nt, phase);
+    for (int64_t b = r0; b < r1; b++) {
+        float *sum = own->row;
+        for (int64_t j = 0; j < k; j++) {
+            const float wj = S->w[b * k + j], *y = S->x + own->inv[b * k + j] * Hd;
+            for (int64_t i = 0; i < Hd; i++) sum[i] = j ? sum[i] + wj * y[i] : wj * y[i];
+        }
+        add_rows(rr + b * Hd, sum, Hd);
+    }
+}
+
 #if defined(__AMX_BF16__)
 /* From this many rows each linear's columns are claimed a chunk at a time from a
    counter the threads share, instead of split in fixed halves: the halves are equal
@@ -677,6 +794,31 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         if (L0->o.act_bf16) rows_attn = copies + Bp * (Hd + I);
     }
 #endif
+    /* MoE layers' scratch: the team's pairs of rows and experts (moe_t), as many as the
+       layer routing the most experts a row has */
+    int64_t moe_k = 0, moe_i = 0, moe_e = 0;
+    for (int64_t l = 0; l < M->num_layers; l++) {
+        const layer_t *L = &M->layers[l];
+        if (!L->router) continue;
+        moe_k = L->top_k > moe_k ? L->top_k : moe_k;
+        moe_i = L->moe_inter > moe_i ? L->moe_inter : moe_i;
+        moe_e = L->num_experts > moe_e ? L->num_experts : moe_e;
+    }
+    const int64_t P = B * moe_k;
+    moe_t moe = {0};
+    if (P) {
+        moe.x = malloc(sizeof(float) * (size_t)(P * (Hd + moe_i + 1)) + sizeof(int64_t) * (size_t)P);
+        if (moe.x == NULL) {
+            free(shared);
+            free(att_next);
+            free(claims);
+            free(rows_res);
+            return -1;
+        }
+        moe.act = moe.x + P * Hd;
+        moe.w = moe.act + P * moe_i;
+        moe.ids = (int64_t *)(moe.w + P);
+    }
     /* where every attention row is a flash or attend_task row (a step whose rows attend
        after the stores, no cascade), each writes its bf16 copy too, which o's tiles read */
     uint16_t *attn_b = NULL;
@@ -699,7 +841,15 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         const int64_t widest = Hd > I ? (Hd > H * D ? Hd : H * D) : (I > H * D ? I : H * D);
         if (rows_res && dp_buffer(amx_tiles_bytes(B, widest)) == NULL) res = (free(res), NULL);
 #endif
-        if (res == NULL) {
+        moe_own_t own = {0};
+        if (P && (own.start = malloc(sizeof(int64_t) * (size_t)(moe_e + 1 + 2 * P) +
+                                     sizeof(float) * (size_t)(moe_e + Hd))) != NULL) {
+            own.order = own.start + moe_e + 1;
+            own.inv = own.order + P;
+            own.probs = (float *)(own.inv + P);
+            own.row = own.probs + moe_e;
+        }
+        if (res == NULL || (P && own.start == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -848,34 +998,38 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 norm_share(rr, ll || L->attn_out_norm ? NULL : lin_out, L->post_norm, xx, rows_xb,
                            r0, r1, Hd, eps);
                 if (split) team_wait(&team, nt, &phase);
-                if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xx, Hd, 0, B, u_gu, R);
-                if (cl) { /* chunks of at most SILU_CHUNK: tg and tu hold one */
-                    const int64_t chunk = claim_cols(I, nt, SILU_CHUNK);
-                    claims_begin(xx, rows_xb, B, Hd);
-                    for (int64_t a, z; claim_next(cl + 2, chunk, I, &a, &z);)
-                        gate_up_silu(&L->gate_up, xx, B, Hd, I, a, z, tg, tu, act, rows_act,
-                                     !L->down.tiles, (int)M->act_gelu, ll, row_slots, u_gu, R);
-                    claims_end();
+                if (L->router) {
+                    moe_mlp(M, L, xx, rr, r0, r1, B, &moe, &own, tg, tu, &team, t, nt, &phase);
                 } else {
-                    lin_part(I, t, nt, &c0, &c1);
-                    gate_up_silu(&L->gate_up, xx, B, Hd, I, c0, c1, tg, tu, act, NULL, 1,
-                                 (int)M->act_gelu, ll, row_slots, u_gu, R);
-                }
-                team_wait(&team, nt, &phase);
-                lin_team(&L->down, act, rows_act, B, I, Hd, lin_out, Hd, cl ? cl + 3 : NULL, t, nt);
-                share(B, t, nt, &lo, &hi);
-                if (ll) lora_shrinks(ll, LORA_DOWN, 1, row_slots, act, I, lo, hi, u_down, R);
-                team_wait(&team, nt, &phase);
-                if (L->ffn_out_norm)
-                    add_normed(rr, lin_out, L->ffn_out_norm, normed, r0, r1, Hd, eps,
-                               ll ? &ll[LORA_DOWN] : NULL, row_slots, u_down, R);
-                else if (ll) {
-                    add_rows(rr + r0 * Hd, lin_out + r0 * Hd, (r1 - r0) * Hd);
-                    lora_adds(&ll[LORA_DOWN], row_slots, u_down, R, rr, Hd, 0, Hd, r0, r1);
+                    if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xx, Hd, 0, B, u_gu, R);
+                    if (cl) { /* chunks of at most SILU_CHUNK: tg and tu hold one */
+                        const int64_t chunk = claim_cols(I, nt, SILU_CHUNK);
+                        claims_begin(xx, rows_xb, B, Hd);
+                        for (int64_t a, z; claim_next(cl + 2, chunk, I, &a, &z);)
+                            gate_up_silu(&L->gate_up, xx, B, Hd, I, a, z, tg, tu, act, rows_act,
+                                         !L->down.tiles, (int)M->act_gelu, ll, row_slots, u_gu, R);
+                        claims_end();
+                    } else {
+                        lin_part(I, t, nt, &c0, &c1);
+                        gate_up_silu(&L->gate_up, xx, B, Hd, I, c0, c1, tg, tu, act, NULL, 1,
+                                     (int)M->act_gelu, ll, row_slots, u_gu, R);
+                    }
+                    team_wait(&team, nt, &phase);
+                    lin_team(&L->down, act, rows_act, B, I, Hd, lin_out, Hd, cl ? cl + 3 : NULL, t, nt);
+                    share(B, t, nt, &lo, &hi);
+                    if (ll) lora_shrinks(ll, LORA_DOWN, 1, row_slots, act, I, lo, hi, u_down, R);
+                    team_wait(&team, nt, &phase);
+                    if (L->ffn_out_norm)
+                        add_normed(rr, lin_out, L->ffn_out_norm, normed, r0, r1, Hd, eps,
+                                   ll ? &ll[LORA_DOWN] : NULL, row_slots, u_down, R);
+                    else if (ll) {
+                        add_rows(rr + r0 * Hd, lin_out + r0 * Hd, (r1 - r0) * Hd);
+                        lora_adds(&ll[LORA_DOWN], row_slots, u_down, R, rr, Hd, 0, Hd, r0, r1);
+                    }
                 }
                 const float *next = l + 1 < M->num_layers ? M->layers[l + 1].in_norm : M->final_norm;
-                norm_share(rr, ll || L->ffn_out_norm ? NULL : lin_out, next, xx, rows_xb, r0, r1,
-                           Hd, eps);
+                const int added = ll || L->ffn_out_norm || L->router;
+                norm_share(rr, added ? NULL : lin_out, next, xx, rows_xb, r0, r1, Hd, eps);
                 if (split) team_wait(&team, nt, &phase);
             }
             int64_t rows = B;
@@ -902,8 +1056,10 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
             }
         }
         free(res);
+        free(own.start);
     }
     free(shared);
+    free(moe.x);
     free(claims);
     free(att_next);
     free(rows_res);

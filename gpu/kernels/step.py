@@ -25,7 +25,7 @@ from .arena import Arena
 from .lora import LoraDesc
 from .qgemm import QK, Lin, amx_ready, amx_tiles
 
-__all__ = ["Cascade", "DecodeStep", "LayerWeights", "StepWeights", "native_step"]
+__all__ = ["Cascade", "DecodeStep", "LayerWeights", "MoEWeights", "StepWeights", "native_step"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,13 @@ class _Layer(ctypes.Structure):
         ("ffn_out_norm", _P),
         ("window", _I),
         ("rope", _I),
+        ("router", _P),
+        ("experts", ctypes.POINTER(Lin)),
+        ("num_experts", _I),
+        ("top_k", _I),
+        ("moe_inter", _I),
+        ("renorm", _I),
+        ("route_bf16", _I),
     ]
 
 
@@ -95,11 +102,35 @@ def native_step(level: str = "") -> Any | None:
 
 
 @dataclass
+class MoEWeights:
+    """A sparse MoE in place of a layer's dense MLP: each row's ``top_k`` experts of the
+    router's softmax, their outputs weighted (renormalized to sum to 1 where
+    ``renormalize``) and summed, as ``models.moe.SparseMoE`` computes it."""
+
+    router: torch.Tensor  # [experts, hidden]
+    experts: list[tuple[Lin, Lin]]  # each expert's gate_up (rows [gate | up]) and down
+    top_k: int
+    renormalize: bool
+
+    def check(self, hidden: int) -> str:
+        inter = self.experts[0][1].k if self.experts else 0
+        if self.router.shape != (len(self.experts), hidden) or not 0 < self.top_k <= len(
+            self.experts
+        ):
+            return "router or top k"
+        if inter % 16 or any(
+            (g.n, g.k, d.n, d.k) != (2 * inter, hidden, hidden, inter) for g, d in self.experts
+        ):
+            return f"expert sizes (intermediate {inter}: a multiple of 16 is needed)"
+        return ""
+
+
+@dataclass
 class LayerWeights:
     qkv: Lin  # rows [q | k | v], heads in order
     o: Lin
-    gate_up: Lin  # rows [gate | up]
-    down: Lin
+    gate_up: Lin | None  # rows [gate | up]; None with moe
+    down: Lin | None
     in_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor
     # [head_dim] each: every q and k head RMS-normed before RoPE (Qwen3), or None
@@ -111,6 +142,16 @@ class LayerWeights:
     ffn_out_norm: torch.Tensor | None = None
     window: int = 0  # keys each row attends to, its own the last (a sliding window); 0: all
     rope: int = 0  # which of the step's cos/sin tables turns q and k (Gemma 3's windows: 1)
+    moe: MoEWeights | None = None  # experts in place of gate_up and down
+
+    def dense(self) -> list[Lin]:
+        """Its linears other than the experts'."""
+        return [w for w in (self.qkv, self.o, self.gate_up, self.down) if w is not None]
+
+    def lins(self) -> list[Lin]:
+        """All its linears, the experts' included."""
+        experts = [w for pair in self.moe.experts for w in pair] if self.moe else []
+        return self.dense() + experts
 
 
 @dataclass
@@ -154,9 +195,17 @@ class StepWeights:
             return f"activation {self.act}"
         hidden = self.embed.shape[1]
         for layer in self.layers:
-            inter = layer.down.k
-            if layer.gate_up.n != 2 * inter or inter % 16:
-                return f"intermediate size {inter} (a multiple of 16 is needed)"
+            if layer.moe is not None:
+                if layer.gate_up is not None or layer.down is not None:
+                    return "a dense MLP beside the experts"
+                if why := layer.moe.check(hidden):
+                    return why
+                if layer.ffn_out_norm is not None:
+                    return "output norms of experts"
+            elif layer.gate_up is None or layer.down is None:
+                return "no MLP"
+            elif layer.gate_up.n != 2 * layer.down.k or layer.down.k % 16:
+                return f"intermediate size {layer.down.k} (a multiple of 16 is needed)"
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             if (layer.qkv.n, layer.qkv.k, layer.o.k, layer.o.n) != (
                 qkv,
@@ -218,6 +267,19 @@ def _tiles_fit(lins: list[Lin]) -> bool:
         avail >> 20,
     )
     return False
+
+
+def _experts(moe: MoEWeights, bf16: bool) -> tuple[torch.Tensor, Any]:
+    """The router in fp32 and the experts' linears as one array, gate_up and down each."""
+    lins = [_lin(w, bf16) for pair in moe.experts for w in pair]
+    return _f32(moe.router), (Lin * len(lins))(*lins)
+
+
+def _moe_fields(moe: MoEWeights, made: tuple[torch.Tensor, Any], bf16: bool) -> tuple[Any, ...]:
+    """``_Layer``'s fields from ``router`` on, for ``moe`` (``made`` by ``_experts``)."""
+    router, lins = made
+    inter = moe.experts[0][1].k
+    return (router.data_ptr(), lins, len(moe.experts), moe.top_k, inter, moe.renormalize, bf16)
 
 
 # Rows of a cascade chunk read their shared pages together: at most this many query rows
@@ -351,7 +413,7 @@ class DecodeStep:
         bf16 = weights.embed.dtype == torch.bfloat16
         # and on AMX their weights rounded to bf16 once, as the tiles load them: steps of
         # many rows (prompts) then expand nothing (kernels/amx.h)
-        lins = [w for x in weights.layers for w in (x.qkv, x.o, x.gate_up, x.down)]
+        lins = [w for x in weights.layers for w in x.dense()]
         arena = Arena() if bf16 and tiles and amx_ready(level) and _tiles_fit(lins) else None
         self.tiles: list[torch.Tensor] = []
 
@@ -361,25 +423,28 @@ class DecodeStep:
                 self.tiles.append(t)
             return out
 
+        # experts: no tiles (a step gives each expert a few of its rows)
+        experts = [_experts(x.moe, bf16) if x.moe else None for x in weights.layers]
         layers = (_Layer * len(weights.layers))(
             *(
                 _Layer(
-                    *(lin(w) for w in (x.qkv, x.o, x.gate_up, x.down)),
+                    *(lin(w) if w is not None else Lin() for w in (x.qkv, x.o, x.gate_up, x.down)),
                     *(n.data_ptr() if n is not None else None for n in ns),
                     x.window,
                     x.rope,
+                    *(_moe_fields(x.moe, ex, bf16) if x.moe and ex else ()),
                 )
-                for x, ns in zip(weights.layers, norms, strict=True)
+                for x, ns, ex in zip(weights.layers, norms, experts, strict=True)
             )
         )
-        self._keep = (norms, final, layers, kv)
+        self._keep = (norms, final, layers, kv, experts)
         self._model = _Model(
             num_layers=len(weights.layers),
             hidden=weights.embed.shape[1],
             heads=weights.num_heads,
             kv_heads=weights.num_kv_heads,
             head_dim=weights.head_dim,
-            inter=weights.layers[0].down.k,
+            inter=max((x.down.k for x in weights.layers if x.down is not None), default=0),
             vocab=self.vocab,
             eps=weights.eps,
             scale=scale,

@@ -71,6 +71,7 @@ def assert_fused_matches_model(
     level: str = "",
     prompts: list[list[int]] = PROMPTS,
     steps: int = 6,
+    tol: float = TOL,
     **opts: object,
 ) -> ModelRunner:
     fused = make_runner(path, **opts)
@@ -84,7 +85,7 @@ def assert_fused_matches_model(
     want, want_tokens = decode_steps(plain, prompts, steps)
     assert got_tokens == want_tokens
     for g, w in zip(got, want, strict=True):
-        assert (g - w).abs().max().item() < TOL
+        assert (g - w).abs().max().item() < tol
     return fused
 
 
@@ -430,6 +431,79 @@ def test_gemmas_layers(family_model_factory: Callable[..., Path], name: str, lev
         assert w.ropes == 2 and {layer.rope for layer in w.layers} == {0, 1}
         assert all(layer.q_norm is not None for layer in w.layers)
     assert not runner.fused.cascade  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_sparse_moe_layers(
+    family_model_factory: Callable[..., Path], name: str, level: str
+) -> None:
+    """Qwen3-MoE and Mixtral (top 2 of 8 experts, renormalized; random routers) in every
+    ISA build, their prompts through the step too: the routing and the experts' rows
+    gathered and weighted back as the model's forward does."""
+    path = family_model_factory(name)
+    runner = assert_fused_matches_model(path, level)
+    layers = runner.fused.step.weights.layers  # type: ignore[union-attr]
+    assert all(x.moe is not None and x.gate_up is None for x in layers)
+    assert {(len(x.moe.experts), x.moe.top_k, x.moe.renormalize) for x in layers if x.moe} == {
+        (8, 2, True)
+    }
+    moe = layers[0].moe
+    assert moe is not None
+    moe.top_k = 9
+    assert runner.fused.step.weights.check() == "router or top k"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+def test_sparse_moe_batches(
+    family_model_factory: Callable[..., Path], name: str, quantization: str
+) -> None:
+    """32 sequences a step: most experts get several rows, some none; the experts' weights
+    as the linear method leaves them (Q4_1 blocks too). Rows whose k-th and next expert
+    lie ~1e-5 apart in probability (32 rows, 8 experts) carry the summation order's
+    differences further than dense layers do: up to ~3e-4 of logits of ~13 (tried)."""
+    runner = assert_fused_matches_model(
+        family_model_factory(name), prompts=WIDE, steps=3, tol=5 * TOL, quantization=quantization
+    )
+    experts = runner.fused.step.weights.layers[0].moe.experts  # type: ignore[union-attr]
+    assert {lin.kind for pair in experts for lin in pair} == (
+        {0} if quantization == "none" else {3}
+    )
+
+
+def test_sparse_moe_results_do_not_depend_on_the_thread_count(
+    family_model_factory: Callable[..., Path],
+) -> None:
+    """Each thread groups the pairs itself, alike, and each expert's output columns are
+    one thread's: 1 or 3 threads give the same bits."""
+    path, before = family_model_factory("qwen3_moe"), torch.get_num_threads()
+    try:
+        out = [decode_steps(make_runner(path, num_threads=n), WIDE, 2)[0] for n in (1, 3)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+def test_sparse_moe_prompt_rows_shared_by_the_team(
+    family_model_factory: Callable[..., Path],
+) -> None:
+    """A bf16 Qwen3-MoE's 300-token prompt through the step on AMX tiles, where the team
+    shares the residual rows (from 224 rows, two threads): the experts read the team's
+    normed rows and each thread adds its share's outputs, the bits of one thread's."""
+    path = family_model_factory("qwen3_moe", hidden_size=128, num_attention_heads=4, head_dim=64)
+    out = []
+    for threads in (2, 1):
+        runner = make_runner(path, dtype="bfloat16", num_pages=80)
+        fused = runner.fused
+        assert fused is not None
+        if fused.max_new < 300:
+            pytest.skip(f"the {fused.isa} build takes {fused.max_new} rows of a prompt")
+        fused.threads.options = lambda n=threads: [n]  # type: ignore[method-assign]
+        step = [SeqSpec(LONG[0][:300], 0, list(range(40)))]
+        assert fused.accepts(step)
+        out.append(runner.run(step))
+    assert torch.equal(out[0], out[1])
 
 
 @pytest.mark.parametrize("name", ["gemma3", "mistral"])
