@@ -455,21 +455,21 @@ def test_sparse_moe_layers(
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+@pytest.mark.parametrize("quantization", ["none", "q4_1", "q4_1_a8"])
 def test_sparse_moe_batches(
     family_model_factory: Callable[..., Path], name: str, quantization: str
 ) -> None:
     """32 sequences a step: most experts get several rows, some none; the experts' weights
-    as the linear method leaves them (Q4_1 blocks too). Rows whose k-th and next expert
+    as the linear method leaves them (Q4_1 blocks too, on int8 rows with ``_a8``). Rows whose k-th and next expert
     lie ~1e-5 apart in probability (32 rows, 8 experts) carry the summation order's
     differences further than dense layers do: up to ~3e-4 of logits of ~13 (tried)."""
     runner = assert_fused_matches_model(
         family_model_factory(name), prompts=WIDE, steps=3, tol=5 * TOL, quantization=quantization
     )
     experts = runner.fused.step.weights.layers[0].moe.experts  # type: ignore[union-attr]
-    assert {lin.kind for pair in experts for lin in pair} == (
-        {0} if quantization == "none" else {3}
-    )
+    lins = [lin for pair in experts for lin in pair]
+    assert {lin.kind for lin in lins} == ({0} if quantization == "none" else {3})
+    assert {bool(lin.act_int8) for lin in lins} == {quantization.endswith("_a8")}  # int8 rows
 
 
 def test_sparse_moe_results_do_not_depend_on_the_thread_count(
