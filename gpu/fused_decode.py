@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from .lora.plan import LoraPlan
     from .lora.pool import LoraMemoryPool
 
-__all__ = ["FusedDecoder", "ThreadChooser", "register_spec"]
+__all__ = ["FusedDecoder", "ThreadChooser", "llama_spec", "register_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,8 @@ def register_spec(model_cls: type, fn: Callable[[Any], StepWeights | None]) -> N
 
 
 def _moe(moe: SparseMoE) -> MoEWeights | None:
-    """A sparse MoE's router and experts as step weights, or None (a shared expert)."""
-    if moe.shared_expert is not None:
-        return None
+    """A sparse MoE's router and experts as step weights (its shared expert's gate; the
+    expert itself is the layer's dense MLP), or None."""
     moe.dense_experts()  # plain experts stacked now, as the forward would on first use
     experts = []
     mlps: list[GatedMLP] = list(moe.experts)  # type: ignore[arg-type]
@@ -89,7 +88,8 @@ def _moe(moe: SparseMoE) -> MoEWeights | None:
         if gate_up is None or down is None:
             return None
         experts.append((gate_up, down))
-    return MoEWeights(moe.gate.weight.data, experts, moe.top_k, moe.renormalize)
+    gate = None if moe.shared_expert is None else moe.shared_expert_gate.weight.data[0]
+    return MoEWeights(moe.gate.weight.data, experts, moe.top_k, moe.renormalize, gate)
 
 
 def _layer(
@@ -111,17 +111,17 @@ def _layer(
     if qkv is None or o is None:
         return None
     q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
-    if isinstance(mlp, SparseMoE):
-        moe = _moe(mlp)
-        if moe is None:
-            return None
-        made = LayerWeights(qkv, o, None, None, norms[0].weight, norms[1].weight, q_norm, k_norm)
-        made.moe = moe
-    else:
-        gate_up, down = native_lin(mlp.gate_up_proj), native_lin(mlp.down_proj)
+    moe = _moe(mlp) if isinstance(mlp, SparseMoE) else None
+    if isinstance(mlp, SparseMoE) and moe is None:
+        return None
+    dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp  # a shared expert, or None
+    gate_up = down = None
+    if dense is not None:
+        gate_up, down = native_lin(dense.gate_up_proj), native_lin(dense.down_proj)
         if gate_up is None or down is None:
             return None
-        made = LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)
+    made = LayerWeights(qkv, o, gate_up, down, norms[0].weight, norms[1].weight, q_norm, k_norm)
+    made.moe = moe
     if len(norms) == 4:
         made.attn_out_norm, made.ffn_out_norm = norms[2].weight, norms[3].weight
     made.window, made.rope = window, rope

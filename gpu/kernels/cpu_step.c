@@ -66,13 +66,16 @@ typedef struct {
                                                   residual takes them (Gemma) */
     int64_t window; /* keys a row attends to, its own the last (a sliding window), or 0 */
     int64_t rope;   /* which of the step's cos/sin tables turns this layer's q and k */
-    /* a sparse MoE in place of the dense MLP (gate_up and down unset), or router NULL */
+    /* a sparse MoE in place of the dense MLP, or router NULL; gate_up and down are then
+       its shared expert (Qwen2-MoE), whose output every row adds scaled by
+       sigmoid(x . shared_gate), or unset */
     const float *router;   /* [num_experts, hidden] fp32 */
     const lin_t *experts;  /* [num_experts][2]: each expert's gate_up and down */
     int64_t num_experts, top_k, moe_inter;
     int64_t renorm;     /* the top k's weights scaled to sum to 1 (Mixtral, Qwen3-MoE) */
     int64_t route_bf16; /* the router's inputs, scores and weights rounded to bf16, as a
                            bf16 model's forward makes them */
+    const float *shared_gate; /* [hidden] fp32, with a shared expert */
 } layer_t;
 
 typedef struct {
@@ -587,10 +590,13 @@ static void moe_group(const int64_t *ids, int64_t P, int64_t E, const moe_own_t 
 }
 
 /* rr's rows [r0, r1) += the MoE of xx's (all B rows of xx normed: the team's, or this
-   thread's copy) */
+   thread's copy); a shared expert's act [B, its inter] and out [B, hidden] through the
+   team's act and lin_out, in the experts' phases */
 static void moe_mlp(const model_t *M, const layer_t *L, const float *xx, float *rr, int64_t r0,
                     int64_t r1, int64_t B, const moe_t *S, const moe_own_t *own, float *tg,
-                    float *tu, team_t *team, int t, int nt, int64_t *phase) {
+                    float *tu, float *act, float *out, team_t *team, int t, int nt,
+                    int64_t *phase) {
+    const int64_t shared = L->shared_gate ? L->down.k : 0;
     const int64_t Hd = M->hidden, I = L->moe_inter, k = L->top_k, E = L->num_experts, P = B * k;
     int64_t lo, hi, c0, c1;
     share(B, t, nt, &lo, &hi);
@@ -608,18 +614,34 @@ static void moe_mlp(const model_t *M, const layer_t *L, const float *xx, float *
             gate_up_silu(&L->experts[2 * e], S->x + a * Hd, n, Hd, I, c0, c1, tg, tu,
                          S->act + a * I, NULL, 1, (int)M->act_gelu, NULL, NULL, NULL, 0);
     }
+    if (shared) {
+        lin_part(shared, t, nt, &c0, &c1);
+        gate_up_silu(&L->gate_up, xx, B, Hd, shared, c0, c1, tg, tu, act, NULL, 1,
+                     (int)M->act_gelu, NULL, NULL, NULL, 0);
+    }
     team_wait(team, nt, phase);
     lin_part(Hd, t, nt, &c0, &c1);
     for (int64_t e = 0; e < E; e++) { /* the outputs over the inputs, read by now */
         const int64_t a = own->start[e], n = own->start[e + 1] - a;
         if (n) lin_cols(&L->experts[2 * e + 1], S->act + a * I, n, I, c0, c1, S->x + a * Hd, Hd);
     }
+    if (shared) lin_cols(&L->down, act, B, shared, c0, c1, out, Hd);
     team_wait(team, nt, phase);
     for (int64_t b = r0; b < r1; b++) {
         float *sum = own->row;
         for (int64_t j = 0; j < k; j++) {
             const float wj = S->w[b * k + j], *y = S->x + own->inv[b * k + j] * Hd;
             for (int64_t i = 0; i < Hd; i++) sum[i] = j ? sum[i] + wj * y[i] : wj * y[i];
+        }
+        if (shared) { /* its gate rounded as the router's scores are */
+            const float *xr = xx + b * Hd;
+            float g = 0.f;
+            if (L->route_bf16) {
+                for (int64_t i = 0; i < Hd; i++) g += bf16_round(xr[i]) * L->shared_gate[i];
+                g = bf16_round(1.f / (1.f + expf(-bf16_round(g))));
+            } else
+                g = 1.f / (1.f + expf(-dot(xr, L->shared_gate, Hd)));
+            for (int64_t i = 0; i < Hd; i++) sum[i] += g * out[b * Hd + i];
         }
         add_rows(rr + b * Hd, sum, Hd);
     }
@@ -999,7 +1021,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                            r0, r1, Hd, eps);
                 if (split) team_wait(&team, nt, &phase);
                 if (L->router) {
-                    moe_mlp(M, L, xx, rr, r0, r1, B, &moe, &own, tg, tu, &team, t, nt, &phase);
+                    moe_mlp(M, L, xx, rr, r0, r1, B, &moe, &own, tg, tu, act, lin_out, &team, t,
+                            nt, &phase);
                 } else {
                     if (ll) lora_shrinks(ll, LORA_GATE, 2, row_slots, xx, Hd, 0, B, u_gu, R);
                     if (cl) { /* chunks of at most SILU_CHUNK: tg and tu hold one */

@@ -53,6 +53,7 @@ class _Layer(ctypes.Structure):
         ("moe_inter", _I),
         ("renorm", _I),
         ("route_bf16", _I),
+        ("shared_gate", _P),
     ]
 
 
@@ -105,12 +106,15 @@ def native_step(level: str = "") -> Any | None:
 class MoEWeights:
     """A sparse MoE in place of a layer's dense MLP: each row's ``top_k`` experts of the
     router's softmax, their outputs weighted (renormalized to sum to 1 where
-    ``renormalize``) and summed, as ``models.moe.SparseMoE`` computes it."""
+    ``renormalize``) and summed, as ``models.moe.SparseMoE`` computes it. With
+    ``shared_gate``, the layer's ``gate_up`` and ``down`` are a shared expert that every
+    row takes too, its output scaled by ``sigmoid(x . shared_gate)`` (Qwen2-MoE)."""
 
     router: torch.Tensor  # [experts, hidden]
     experts: list[tuple[Lin, Lin]]  # each expert's gate_up (rows [gate | up]) and down
     top_k: int
     renormalize: bool
+    shared_gate: torch.Tensor | None = None  # [hidden]
 
     def check(self, hidden: int) -> str:
         inter = self.experts[0][1].k if self.experts else 0
@@ -195,17 +199,19 @@ class StepWeights:
             return f"activation {self.act}"
         hidden = self.embed.shape[1]
         for layer in self.layers:
+            dense = (layer.gate_up is not None, layer.down is not None)
             if layer.moe is not None:
-                if layer.gate_up is not None or layer.down is not None:
-                    return "a dense MLP beside the experts"
+                if dense != ((layer.moe.shared_gate is not None),) * 2:
+                    return "a shared expert without its gate, or a gate without it"
                 if why := layer.moe.check(hidden):
                     return why
                 if layer.ffn_out_norm is not None:
                     return "output norms of experts"
-            elif layer.gate_up is None or layer.down is None:
+            elif not all(dense):
                 return "no MLP"
-            elif layer.gate_up.n != 2 * layer.down.k or layer.down.k % 16:
-                return f"intermediate size {layer.down.k} (a multiple of 16 is needed)"
+            gate_up, down = layer.gate_up, layer.down
+            if gate_up and down and (gate_up.n != 2 * down.k or down.k % 16):
+                return f"intermediate size {down.k} (a multiple of 16 is needed)"
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             if (layer.qkv.n, layer.qkv.k, layer.o.k, layer.o.n) != (
                 qkv,
@@ -269,17 +275,28 @@ def _tiles_fit(lins: list[Lin]) -> bool:
     return False
 
 
-def _experts(moe: MoEWeights, bf16: bool) -> tuple[torch.Tensor, Any]:
-    """The router in fp32 and the experts' linears as one array, gate_up and down each."""
+def _experts(moe: MoEWeights, bf16: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    """The router in fp32, the experts' linears as one array (gate_up and down each) and
+    the shared expert's gate in fp32."""
     lins = [_lin(w, bf16) for pair in moe.experts for w in pair]
-    return _f32(moe.router), (Lin * len(lins))(*lins)
+    gate = None if moe.shared_gate is None else _f32(moe.shared_gate)
+    return _f32(moe.router), (Lin * len(lins))(*lins), gate
 
 
-def _moe_fields(moe: MoEWeights, made: tuple[torch.Tensor, Any], bf16: bool) -> tuple[Any, ...]:
+def _moe_fields(moe: MoEWeights, made: tuple[Any, ...], bf16: bool) -> tuple[Any, ...]:
     """``_Layer``'s fields from ``router`` on, for ``moe`` (``made`` by ``_experts``)."""
-    router, lins = made
+    router, lins, gate = made
     inter = moe.experts[0][1].k
-    return (router.data_ptr(), lins, len(moe.experts), moe.top_k, inter, moe.renormalize, bf16)
+    return (
+        router.data_ptr(),
+        lins,
+        len(moe.experts),
+        moe.top_k,
+        inter,
+        moe.renormalize,
+        bf16,
+        None if gate is None else gate.data_ptr(),
+    )
 
 
 # Rows of a cascade chunk read their shared pages together: at most this many query rows

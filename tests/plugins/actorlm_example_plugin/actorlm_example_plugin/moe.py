@@ -6,10 +6,13 @@ routing (softmax, top-k, renormalized as the config says), the experts grouped b
 expert over the step's tokens, the shared expert. Its module names are HF's
 (``mlp.gate``, ``mlp.experts.{e}.gate_proj``, ``mlp.shared_expert_gate``), so the
 checkpoint loads as it is; linear methods quantize the experts like any linear.
+Its layers are Llama's with a MoE, shared expert and all, so the CPU's fused step
+takes them through ``llama_spec``.
 """
 
 from __future__ import annotations
 
+from actorlm.gpu.fused_decode import llama_spec, register_spec
 from actorlm.gpu.models.layers import Attention, GatedMLP
 from actorlm.gpu.models.llama import DecoderLayer, LlamaForCausalLM
 from actorlm.gpu.models.moe import SparseMoE
@@ -33,3 +36,6 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         else:  # mlp_only_layers, or between sparse ones (decoder_sparse_step)
             mlp = GatedMLP(info.hidden_size, info.intermediate_size)
         return DecoderLayer(info, Attention(info, layer), mlp)
+
+
+register_spec(Qwen2MoeForCausalLM, llama_spec)
