@@ -406,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     # the machine's limits, measured before any engine starts; an external server's model
-    # is the GGUF only where --model names it
-    if not args.no_ceiling and (args.model or not args.url):
+    # is the GGUF only where --model names it (the ceiling is priced from a GGUF's blocks:
+    # a model folder gets none)
+    if not args.no_ceiling and (args.model or not args.url) and gguf.is_file():
         data["limits"] = measure_limits()
 
     def save() -> None:
