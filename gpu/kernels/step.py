@@ -117,10 +117,9 @@ class MoEWeights:
     shared_gate: torch.Tensor | None = None  # [hidden]
 
     def check(self, hidden: int) -> str:
-        inter = self.experts[0][1].k if self.experts else 0
-        if self.router.shape != (len(self.experts), hidden) or not 0 < self.top_k <= len(
-            self.experts
-        ):
+        """Why the kernel cannot run these experts, or "" when it can."""
+        count, inter = len(self.experts), self.experts[0][1].k if self.experts else 0
+        if self.router.shape != (count, hidden) or not 0 < self.top_k <= count:
             return "router or top k"
         if inter % 16 or any(
             (g.n, g.k, d.n, d.k) != (2 * inter, hidden, hidden, inter) for g, d in self.experts
@@ -133,7 +132,7 @@ class MoEWeights:
 class LayerWeights:
     qkv: Lin  # rows [q | k | v], heads in order
     o: Lin
-    gate_up: Lin | None  # rows [gate | up]; None with moe
+    gate_up: Lin | None  # rows [gate | up]; with moe its shared expert's, or None
     down: Lin | None
     in_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor

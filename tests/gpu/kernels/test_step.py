@@ -460,9 +460,10 @@ def test_sparse_moe_batches(
     family_model_factory: Callable[..., Path], name: str, quantization: str
 ) -> None:
     """32 sequences a step: most experts get several rows, some none; the experts' weights
-    as the linear method leaves them (Q4_1 blocks too, on int8 rows with ``_a8``). Rows whose k-th and next expert
-    lie ~1e-5 apart in probability (32 rows, 8 experts) carry the summation order's
-    differences further than dense layers do: up to ~3e-4 of logits of ~13 (tried)."""
+    as the linear method leaves them (Q4_1 blocks too, on int8 rows with ``_a8``). Rows
+    whose k-th and next expert lie ~1e-5 apart in probability (32 rows, 8 experts) carry
+    the summation order's differences further than dense layers do: up to ~3e-4 of
+    logits of ~13 (measured)."""
     runner = assert_fused_matches_model(
         family_model_factory(name), prompts=WIDE, steps=3, tol=5 * TOL, quantization=quantization
     )
