@@ -521,132 +521,6 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
     }
 }
 
-/* A sparse MoE layer's MLP (layer_t.router): every row's top_k experts by the router's
- * softmax; the (row, expert) pairs gathered by expert, so each expert's weights are read
- * once a step for all its rows (a decode batch of 8 at 8 of 128 experts a row reads up
- * to 64 experts, each with 1-2 rows); each expert's gate_up, activation and down over
- * its rows, the columns split over the team; each row's outputs weighted and added to
- * its residual. Four barriers: after the routing, the gathering, gate_up and down. */
-typedef struct {
-    int64_t *ids; /* [B * top_k] each pair's expert (pair b * top_k + j: row b's j-th) */
-    float *w;     /* [B * top_k] its weight */
-    float *x;     /* [B * top_k, hidden] the pairs' rows by expert, then their outputs */
-    float *act;   /* [B * top_k, moe_inter] */
-} moe_t;
-
-typedef struct { /* a thread's own */
-    int64_t *start;      /* [E + 1] where each expert's pairs begin in moe_t.x */
-    int64_t *order, *inv; /* [B * top_k] the pair at each place, the place of each pair */
-    float *probs, *row;  /* [E], [hidden] */
-} moe_own_t;
-
-static inline float bf16_round(float f) { return bf16_f32(f32_bf16(f)); }
-
-/* ids, w of rows [b0, b1): softmax over all experts, the top k (the first of equals
-   first), renormalized where the family does; as SparseMoE.route computes them */
-static void moe_route(const layer_t *L, const float *x, int64_t Hd, int64_t b0, int64_t b1,
-                      const moe_t *S, const moe_own_t *own) {
-    const int64_t E = L->num_experts, k = L->top_k;
-    float *p = own->probs;
-    for (int64_t b = b0; b < b1; b++) {
-        const float *xr = x + b * Hd;
-        if (L->route_bf16) {
-            for (int64_t i = 0; i < Hd; i++) own->row[i] = bf16_round(xr[i]);
-            xr = own->row;
-        }
-        float most = -INFINITY, sum = 0.f;
-        for (int64_t e = 0; e < E; e++) {
-            p[e] = dot(xr, L->router + e * Hd, Hd);
-            if (L->route_bf16) p[e] = bf16_round(p[e]);
-            most = p[e] > most ? p[e] : most;
-        }
-        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - most);
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
-        float total = 0.f;
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = 0;
-            for (int64_t e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
-            S->ids[b * k + j] = best;
-            total += S->w[b * k + j] = p[best];
-            p[best] = -1.f; /* taken */
-        }
-        for (int64_t j = 0; j < k; j++) {
-            float v = S->w[b * k + j];
-            if (L->renorm) v /= total;
-            S->w[b * k + j] = L->route_bf16 ? bf16_round(v) : v;
-        }
-    }
-}
-
-/* The pairs [0, P) by expert, in pair order within one (a stable counting sort) */
-static void moe_group(const int64_t *ids, int64_t P, int64_t E, const moe_own_t *own) {
-    int64_t *start = own->start;
-    memset(start, 0, sizeof(int64_t) * (size_t)(E + 1));
-    for (int64_t p = 0; p < P; p++) start[ids[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    for (int64_t p = 0; p < P; p++) own->order[own->inv[p] = start[ids[p]]++] = p;
-    for (int64_t e = E; e > 0; e--) start[e] = start[e - 1]; /* back to each one's first */
-    start[0] = 0;
-}
-
-/* rr's rows [r0, r1) += the MoE of xx's (all B rows of xx normed: the team's, or this
-   thread's copy); a shared expert's act [B, its inter] and out [B, hidden] through the
-   team's act and lin_out, in the experts' phases */
-static void moe_mlp(const model_t *M, const layer_t *L, const float *xx, float *rr, int64_t r0,
-                    int64_t r1, int64_t B, const moe_t *S, const moe_own_t *own, float *tg,
-                    float *tu, float *act, float *out, team_t *team, int t, int nt,
-                    int64_t *phase) {
-    const int64_t shared = L->shared_gate ? L->down.k : 0;
-    const int64_t Hd = M->hidden, I = L->moe_inter, k = L->top_k, E = L->num_experts, P = B * k;
-    int64_t lo, hi, c0, c1;
-    share(B, t, nt, &lo, &hi);
-    moe_route(L, xx, Hd, lo, hi, S, own);
-    team_wait(team, nt, phase);
-    moe_group(S->ids, P, E, own);
-    share(P, t, nt, &lo, &hi);
-    for (int64_t q = lo; q < hi; q++)
-        memcpy(S->x + q * Hd, xx + own->order[q] / k * Hd, sizeof(float) * (size_t)Hd);
-    team_wait(team, nt, phase);
-    lin_part(I, t, nt, &c0, &c1);
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t a = own->start[e], n = own->start[e + 1] - a;
-        if (n)
-            gate_up_silu(&L->experts[2 * e], S->x + a * Hd, n, Hd, I, c0, c1, tg, tu,
-                         S->act + a * I, NULL, 1, (int)M->act_gelu, NULL, NULL, NULL, 0);
-    }
-    if (shared) {
-        lin_part(shared, t, nt, &c0, &c1);
-        gate_up_silu(&L->gate_up, xx, B, Hd, shared, c0, c1, tg, tu, act, NULL, 1,
-                     (int)M->act_gelu, NULL, NULL, NULL, 0);
-    }
-    team_wait(team, nt, phase);
-    lin_part(Hd, t, nt, &c0, &c1);
-    for (int64_t e = 0; e < E; e++) { /* the outputs over the inputs, read by now */
-        const int64_t a = own->start[e], n = own->start[e + 1] - a;
-        if (n) lin_cols(&L->experts[2 * e + 1], S->act + a * I, n, I, c0, c1, S->x + a * Hd, Hd);
-    }
-    if (shared) lin_cols(&L->down, act, B, shared, c0, c1, out, Hd);
-    team_wait(team, nt, phase);
-    for (int64_t b = r0; b < r1; b++) {
-        float *sum = own->row;
-        for (int64_t j = 0; j < k; j++) {
-            const float wj = S->w[b * k + j], *y = S->x + own->inv[b * k + j] * Hd;
-            for (int64_t i = 0; i < Hd; i++) sum[i] = j ? sum[i] + wj * y[i] : wj * y[i];
-        }
-        if (shared) { /* its gate rounded as the router's scores are */
-            const float *xr = xx + b * Hd;
-            float g = 0.f;
-            if (L->route_bf16) {
-                for (int64_t i = 0; i < Hd; i++) g += bf16_round(xr[i]) * L->shared_gate[i];
-                g = bf16_round(1.f / (1.f + expf(-bf16_round(g))));
-            } else
-                g = 1.f / (1.f + expf(-dot(xr, L->shared_gate, Hd)));
-            for (int64_t i = 0; i < Hd; i++) sum[i] += g * out[b * Hd + i];
-        }
-        add_rows(rr + b * Hd, sum, Hd);
-    }
-}
-
 #if defined(__AMX_BF16__)
 /* From this many rows each linear's columns are claimed a chunk at a time from a
    counter the threads share, instead of split in fixed halves: the halves are equal
@@ -715,6 +589,163 @@ static void lin_team(const lin_t *L, const float *x, const uint16_t *xb, int64_t
     int64_t c0, c1;
     lin_part(n, t, nt, &c0, &c1);
     lin_cols(L, x, B, K, c0, c1, y, ys);
+}
+
+/* A sparse MoE layer's MLP (layer_t.router): every row's top_k experts by the router's
+ * softmax; the (row, expert) pairs gathered by expert, so each expert's weights are read
+ * once a step for all its rows (a decode batch of 8 at 8 of 128 experts a row reads up
+ * to 64 experts, each with 1-2 rows); each expert's gate_up, activation and down over
+ * its rows, the columns split over the team; each row's outputs weighted and added to
+ * its residual. Four barriers: after the routing, the gathering, gate_up and down. */
+typedef struct {
+    int64_t *ids; /* [B * top_k] each pair's expert (pair b * top_k + j: row b's j-th) */
+    float *w;     /* [B * top_k] its weight */
+    float *x;     /* [B * top_k, hidden] the pairs' rows by expert, then their outputs */
+    float *act;   /* [B * top_k, moe_inter] */
+} moe_t;
+
+typedef struct { /* a thread's own */
+    int64_t *start;      /* [E + 1] where each expert's pairs begin in moe_t.x */
+    int64_t *order, *inv; /* [B * top_k] the pair at each place, the place of each pair */
+    float *probs, *row;  /* [E], [hidden] */
+} moe_own_t;
+
+#if defined(__AMX_BF16__)
+#define MOE_ROUND_MIN_ROWS AMX_MIN_ROWS
+#else
+#define MOE_ROUND_MIN_ROWS INT64_MAX /* claims_begin rounds nothing here */
+#endif
+
+static inline float bf16_round(float f) { return bf16_f32(f32_bf16(f)); }
+
+/* p[e] = x . w[e] for the E experts, four at a time: four independent sums hide the
+   multiply-add's latency, which one dot() a expert waited on (the router was ~16% of a
+   512-token prompt's step on Qwen3-MoE's shape, 2-core AMX Xeon) */
+static void router_scores(const float *x, const float *w, int64_t E, int64_t Hd, float *p) {
+    int64_t e = 0;
+    if (Hd % VW == 0)
+        for (; e + 4 <= E; e += 4) {
+            const float *w0 = w + e * Hd, *w1 = w0 + Hd, *w2 = w1 + Hd, *w3 = w2 + Hd;
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = 0; i < Hd; i += VW) {
+                const vf xv = *(const vf *)(x + i);
+                a0 += xv * *(const vf *)(w0 + i);
+                a1 += xv * *(const vf *)(w1 + i);
+                a2 += xv * *(const vf *)(w2 + i);
+                a3 += xv * *(const vf *)(w3 + i);
+            }
+            p[e] = hsumv(a0), p[e + 1] = hsumv(a1), p[e + 2] = hsumv(a2), p[e + 3] = hsumv(a3);
+        }
+    for (; e < E; e++) p[e] = dot(x, w + e * Hd, Hd);
+}
+
+/* ids, w of rows [b0, b1): softmax over all experts, the top k (the first of equals
+   first), renormalized where the family does; as SparseMoE.route computes them */
+static void moe_route(const layer_t *L, const float *x, int64_t Hd, int64_t b0, int64_t b1,
+                      const moe_t *S, const moe_own_t *own) {
+    const int64_t E = L->num_experts, k = L->top_k;
+    float *p = own->probs;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xr = x + b * Hd;
+        if (L->route_bf16) {
+            for (int64_t i = 0; i < Hd; i++) own->row[i] = bf16_round(xr[i]);
+            xr = own->row;
+        }
+        float most = -INFINITY, sum = 0.f;
+        router_scores(xr, L->router, E, Hd, p);
+        for (int64_t e = 0; e < E; e++) {
+            if (L->route_bf16) p[e] = bf16_round(p[e]);
+            most = p[e] > most ? p[e] : most;
+        }
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - most);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        float total = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = 0;
+            for (int64_t e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
+            S->ids[b * k + j] = best;
+            total += S->w[b * k + j] = p[best];
+            p[best] = -1.f; /* taken */
+        }
+        for (int64_t j = 0; j < k; j++) {
+            float v = S->w[b * k + j];
+            if (L->renorm) v /= total;
+            S->w[b * k + j] = L->route_bf16 ? bf16_round(v) : v;
+        }
+    }
+}
+
+/* The pairs [0, P) by expert, in pair order within one (a stable counting sort) */
+static void moe_group(const int64_t *ids, int64_t P, int64_t E, const moe_own_t *own) {
+    int64_t *start = own->start;
+    memset(start, 0, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t p = 0; p < P; p++) own->order[own->inv[p] = start[ids[p]]++] = p;
+    for (int64_t e = E; e > 0; e--) start[e] = start[e - 1]; /* back to each one's first */
+    start[0] = 0;
+}
+
+/* rr's rows [r0, r1) += the MoE of xx's (all B rows of xx normed: the team's, or this
+   thread's copy); a shared expert's act [B, its inter] and out [B, hidden] through the
+   team's act and lin_out, in the experts' phases */
+static void moe_mlp(const model_t *M, const layer_t *L, const float *xx, float *rr, int64_t r0,
+                    int64_t r1, int64_t B, const moe_t *S, const moe_own_t *own, float *tg,
+                    float *tu, float *act, float *out, team_t *team, int t, int nt,
+                    int64_t *phase) {
+    const int64_t shared = L->shared_gate ? L->down.k : 0;
+    const int64_t Hd = M->hidden, I = L->moe_inter, k = L->top_k, E = L->num_experts, P = B * k;
+    int64_t lo, hi, c0, c1;
+    share(B, t, nt, &lo, &hi);
+    moe_route(L, xx, Hd, lo, hi, S, own);
+    team_wait(team, nt, phase);
+    moe_group(S->ids, P, E, own);
+    share(P, t, nt, &lo, &hi);
+    for (int64_t q = lo; q < hi; q++)
+        memcpy(S->x + q * Hd, xx + own->order[q] / k * Hd, sizeof(float) * (size_t)Hd);
+    team_wait(team, nt, phase);
+    lin_part(I, t, nt, &c0, &c1);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t a = own->start[e], n = own->start[e + 1] - a;
+        if (!n) continue;
+        /* its rows rounded once for gate and up, where AMX takes them */
+        const int once = L->experts[2 * e].act_bf16 && n >= MOE_ROUND_MIN_ROWS;
+        if (once) claims_begin(S->x + a * Hd, NULL, n, Hd);
+        gate_up_silu(&L->experts[2 * e], S->x + a * Hd, n, Hd, I, c0, c1, tg, tu, S->act + a * I,
+                     NULL, 1, (int)M->act_gelu, NULL, NULL, NULL, 0);
+        if (once) claims_end();
+    }
+    if (shared) {
+        lin_part(shared, t, nt, &c0, &c1);
+        gate_up_silu(&L->gate_up, xx, B, Hd, shared, c0, c1, tg, tu, act, NULL, 1,
+                     (int)M->act_gelu, NULL, NULL, NULL, 0);
+    }
+    team_wait(team, nt, phase);
+    lin_part(Hd, t, nt, &c0, &c1);
+    for (int64_t e = 0; e < E; e++) { /* the outputs over the inputs, read by now */
+        const int64_t a = own->start[e], n = own->start[e + 1] - a;
+        if (n) lin_cols(&L->experts[2 * e + 1], S->act + a * I, n, I, c0, c1, S->x + a * Hd, Hd);
+    }
+    if (shared) lin_cols(&L->down, act, B, shared, c0, c1, out, Hd);
+    team_wait(team, nt, phase);
+    for (int64_t b = r0; b < r1; b++) {
+        float *sum = own->row;
+        for (int64_t j = 0; j < k; j++) {
+            const float wj = S->w[b * k + j], *y = S->x + own->inv[b * k + j] * Hd;
+            for (int64_t i = 0; i < Hd; i++) sum[i] = j ? sum[i] + wj * y[i] : wj * y[i];
+        }
+        if (shared) { /* its gate rounded as the router's scores are */
+            const float *xr = xx + b * Hd;
+            float g = 0.f;
+            if (L->route_bf16) {
+                for (int64_t i = 0; i < Hd; i++) g += bf16_round(xr[i]) * L->shared_gate[i];
+                g = bf16_round(1.f / (1.f + expf(-bf16_round(g))));
+            } else
+                g = 1.f / (1.f + expf(-dot(xr, L->shared_gate, Hd)));
+            for (int64_t i = 0; i < Hd; i++) sum[i] += g * out[b * Hd + i];
+        }
+        add_rows(rr + b * Hd, sum, Hd);
+    }
 }
 
 /*
