@@ -111,11 +111,10 @@ def _layer(
     if qkv is None or o is None:
         return None
     q_norm, k_norm = (n.weight if n is not None else None for n in (attn.q_norm, attn.k_norm))
-    moe = _moe(mlp) if isinstance(mlp, SparseMoE) else None
+    moe, dense = (_moe(mlp), mlp.shared_expert) if isinstance(mlp, SparseMoE) else (None, mlp)
     if isinstance(mlp, SparseMoE) and moe is None:
         return None
-    dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp  # a shared expert, or None
-    gate_up = down = None
+    gate_up = down = None  # the dense MLP's, or a MoE's shared expert's
     if dense is not None:
         gate_up, down = native_lin(dense.gate_up_proj), native_lin(dense.down_proj)
         if gate_up is None or down is None:

@@ -730,10 +730,9 @@ static void moe_mlp(const model_t *M, const layer_t *L, const float *xx, float *
     team_wait(team, nt, phase);
     for (int64_t b = r0; b < r1; b++) {
         float *sum = own->row;
-        for (int64_t j = 0; j < k; j++) {
-            const float wj = S->w[b * k + j], *y = S->x + own->inv[b * k + j] * Hd;
-            for (int64_t i = 0; i < Hd; i++) sum[i] = j ? sum[i] + wj * y[i] : wj * y[i];
-        }
+        memset(sum, 0, sizeof(float) * (size_t)Hd);
+        for (int64_t j = 0; j < k; j++)
+            axpy(S->w[b * k + j], S->x + own->inv[b * k + j] * Hd, sum, Hd);
         if (shared) { /* its gate rounded as the router's scores are */
             const float *xr = xx + b * Hd;
             float g = 0.f;

@@ -198,17 +198,17 @@ class StepWeights:
             return f"activation {self.act}"
         hidden = self.embed.shape[1]
         for layer in self.layers:
-            dense = (layer.gate_up is not None, layer.down is not None)
+            gate_up, down = layer.gate_up, layer.down
+            dense = (gate_up is not None) + (down is not None)  # a dense MLP's linears
             if layer.moe is not None:
-                if dense != ((layer.moe.shared_gate is not None),) * 2:
+                if dense != (2 if layer.moe.shared_gate is not None else 0):
                     return "a shared expert without its gate, or a gate without it"
                 if why := layer.moe.check(hidden):
                     return why
                 if layer.ffn_out_norm is not None:
                     return "output norms of experts"
-            elif not all(dense):
+            elif dense != 2:
                 return "no MLP"
-            gate_up, down = layer.gate_up, layer.down
             if gate_up and down and (gate_up.n != 2 * down.k or down.k % 16):
                 return f"intermediate size {down.k} (a multiple of 16 is needed)"
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
