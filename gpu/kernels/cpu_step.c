@@ -759,9 +759,10 @@ static void moe_mlp(const model_t *M, const layer_t *L, const float *xx, float *
     if (S->xb) { /* the pads of this thread's share of the experts */
         share(E, t, nt, &lo, &hi);
         for (int64_t e = lo; e < hi; e++) {
-            const int64_t rows = own->start[e + 1] - own->start[e], pad = own->pstart[e + 1] - own->pstart[e];
-            if (pad)
-                memset(S->xb + (own->pstart[e] + rows) * Hd, 0, sizeof(uint16_t) * (size_t)((pad - rows) * Hd));
+            const int64_t rows = own->start[e + 1] - own->start[e];
+            const int64_t pad = own->pstart[e + 1] - own->pstart[e] - rows;
+            if (pad > 0)
+                memset(S->xb + (own->pstart[e] + rows) * Hd, 0, sizeof(uint16_t) * (size_t)(pad * Hd));
         }
     }
     team_wait(team, nt, phase);
@@ -909,18 +910,20 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
 #endif
     /* MoE layers' scratch: the team's pairs of rows and experts (moe_t), as many as the
        layer routing the most experts a row has */
-    int64_t moe_k = 0, moe_i = 0, moe_e = 0;
+    int64_t moe_k = 0, moe_i = 0, moe_e = 0, moe_bf16 = 0;
     for (int64_t l = 0; l < M->num_layers; l++) {
         const layer_t *L = &M->layers[l];
         if (!L->router) continue;
         moe_k = L->top_k > moe_k ? L->top_k : moe_k;
         moe_i = L->moe_inter > moe_i ? L->moe_inter : moe_i;
         moe_e = L->num_experts > moe_e ? L->num_experts : moe_e;
+        moe_bf16 |= L->experts[0].act_bf16;
     }
     const int64_t P = B * moe_k;
     moe_t moe = {0};
-    /* the bf16 copies, where an expert may get MOE_ROUND_MIN_ROWS rows (one of each row) */
-    const int64_t xb_rows = B >= MOE_ROUND_MIN_ROWS ? moe_xb_rows(P) : 0;
+    /* the experts' bf16 rows, where they take such and one may get MOE_ROUND_MIN_ROWS
+       rows (each of the B rows routes to an expert once) */
+    const int64_t xb_rows = moe_bf16 && B >= MOE_ROUND_MIN_ROWS ? moe_xb_rows(P) : 0;
     if (P) {
         moe.x = malloc(sizeof(float) * (size_t)(P * (Hd + moe_i + 1)) + sizeof(int64_t) * (size_t)P +
                        sizeof(uint16_t) * (size_t)(xb_rows * Hd));
