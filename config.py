@@ -158,7 +158,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
 class DeployConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where actors live. ``addresses`` maps role → address (inproc://, unix://, ipc://, tcp://)."""
 
-    transport: str = "unix"  # inproc | unix | ipc | tcp
+    transport: str = "unix"  # unix | ipc | tcp (in one process, placement "inproc")
     addresses: dict[str, str] = {}
     run_dir: str = ""
     heartbeat_s: float = 0.5  # every actor heartbeats each peer this often

@@ -70,7 +70,7 @@ FLAG_HELP: dict[str, str] = {
     # deployment and liveness
     "transport": (
         "how actors talk under serve: unix (default: Unix sockets, no ZMQ), ipc (Unix "
-        "sockets through ZMQ), tcp, or inproc"
+        "sockets through ZMQ) or tcp"
     ),
     "run_dir": "folder for unix and ipc sockets (empty: a fresh owner-only temporary one)",
     "heartbeat_s": "how often each actor tells its peers it is alive",

@@ -64,7 +64,7 @@ class ConfigError(TypeError, ValueError):
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("scheduler", "policy"): ("fcfs", "lpm", "priority"),
     ("scheduler", "on_worker_loss"): ("fail", "recompute"),
-    ("deploy", "transport"): ("inproc", "unix", "ipc", "tcp"),
+    ("deploy", "transport"): ("unix", "ipc", "tcp"),
     ("deploy", "restart_policy"): ("on-failure", "never"),
     ("deploy", "launcher"): ("local", "ray"),
 }
@@ -128,6 +128,12 @@ def validate_config(config: EngineConfig) -> None:
         WEIGHT_LOADERS,
     )
 
+    if config.deploy.transport == "inproc":  # accepted before, then no actor could connect
+        raise ConfigError(
+            "--transport 'inproc' joins actors inside one process, and each actor runs in its "
+            "own: choose unix (the default), ipc or tcp; Engine(placement='inproc') runs every "
+            "actor in the caller's process"
+        )
     for (section, name), allowed in _CHOICES.items():
         value = getattr(getattr(config, section), name)
         if value not in allowed:

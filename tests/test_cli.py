@@ -36,6 +36,7 @@ def one_error(proc: subprocess.CompletedProcess[str]) -> str:
         (["serve", "--attention-backend", "nope"], "unknown attention backend 'nope'"),
         (["serve", "--schedule-policy", "nope"], "choose one of fcfs, lpm, priority"),
         (["serve", "--restart-policy", "sometimes"], "choose one of on-failure, never"),
+        (["serve", "--transport", "inproc"], "joins actors inside one process"),
         (["serve", "--model", "/no/such/model"], "model not found: /no/such/model"),
         (["serve", "--hicache-storage-backend", "file"], "needs --hicache-storage-dir"),
         (["serve", "--grammar-backend", "nope"], "unknown grammar backend 'nope'"),
