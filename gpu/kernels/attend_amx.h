@@ -8,15 +8,18 @@
  *
  *   S^T = K q^T   A: 16 keys of a page as they lie (32 of D a tile), B: q^T as bf16
  *                 pairs (packed once a call; the G heads are its columns), C: 16 keys
- *                 by 16 columns, of which each head's is gathered into its scores row
+ *                 by G columns, each head's read off into its scores row (permutes for
+ *                 G <= 4, a gather above: 16 columns and a gather each cost a step of
+ *                 32 decodes ~5% of its attention, bench/attention.py)
  *   O   = P V     A: P, each head's probabilities rounded to bf16 (its rows; the tiles
  *                 are configured G rows high), B: two keys' rows interleaved as pairs
  *                 (the d order that leaves is undone at the end, as attend_dp.h does),
  *                 C: 4 tiles of 16 d that stay in the tiles over the whole context
  *
  * The softmax between them stays fp32 in attend.h, over the whole context as before, so
- * P V needs no rescaling and sums in the tiles. The roundings are attend_dp.h's: q and
- * P to bf16, products exact, sums fp32.
+ * P V needs no rescaling and sums in the tiles; its exp is exp_sum_bf16's, exact to
+ * bf16's precision, as P rounds to bf16 next. The roundings are attend_dp.h's: q and P
+ * to bf16, products exact, sums fp32.
  */
 #ifndef ACTORLM_ATTEND_AMX_H
 #define ACTORLM_ATTEND_AMX_H
@@ -32,12 +35,14 @@
 static __thread void *att_amx_p;
 static __thread size_t att_amx_p_bytes;
 
-/* Tiles 0-3: O (G rows), 4: P (G rows), 5: B (q^T or V pairs), 6: 16 keys, 7: S^T. */
+/* Tiles 0-3: O (G rows), 4: P (G rows), 5: q^T (G columns), 6: 16 keys or V's pairs,
+   7: S^T (16 keys by G columns). */
 static void att_amx_configure(int64_t G) {
     amx_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = t < 5 ? (uint8_t)G : 16;
+    c.colsb[5] = c.colsb[7] = (uint16_t)(4 * G);
     amx_load_config(&c);
 }
 
@@ -50,23 +55,39 @@ static inline int att_amx_ready(int64_t len, int64_t G, int64_t D, int64_t page_
     return 1;
 }
 
+/* Lane i of head g's column of S^T (st: [16 keys][G], rows of G floats): st[i * G + g],
+   by permutes of the rows where G <= 4 (a gather of 16 cost as much as the block's
+   products), gathered above */
+static inline __m512 att_amx_column(const float *st, int64_t G, int64_t g) {
+    const __m512i idx = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32((int)G)),
+        _mm512_set1_epi32((int)g));
+    if (G == 1) return _mm512_loadu_ps(st);
+    if (G > 4) return _mm512_i32gather_ps(idx, st, 4);
+    const __m512 lo = _mm512_permutex2var_ps(_mm512_loadu_ps(st), idx, _mm512_loadu_ps(st + 16));
+    if (G == 2) return lo;
+    const __mmask16 high = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32));
+    const __m512i idx_hi = _mm512_sub_epi32(idx, _mm512_set1_epi32(32));
+    const __m512 hi = G == 3 ? _mm512_permutexvar_ps(idx_hi, _mm512_loadu_ps(st + 32))
+                             : _mm512_permutex2var_ps(_mm512_loadu_ps(st + 32), idx_hi, _mm512_loadu_ps(st + 48));
+    return _mm512_mask_mov_ps(lo, high, hi);
+}
+
 /* scores[g * len + t] = scale * q_g . k_t for the `len` keys of `table` (v: only fetched
    ahead, for att_amx_values) */
 static void att_amx_scores(const float *q, const uint16_t *k, const uint16_t *v,
                            const int64_t *table, int64_t len,
                            int64_t G, int64_t D, int64_t page_size, float scale, float *scores) {
-    uint32_t qt[8 * 256] __attribute__((aligned(64))); /* [D / 32][16 pairs][16 heads] */
-    float st[256] __attribute__((aligned(64)));        /* [16 keys][16 heads] */
-    memset(qt, 0, sizeof(uint32_t) * (size_t)(D / 32 * 256));
+    uint32_t qt[8 * 256] __attribute__((aligned(64))); /* [D / 32][16 pairs][G heads] */
+    float st[256] __attribute__((aligned(64)));        /* [16 keys][G heads] */
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < D / 32; c++) {
             uint32_t pairs[16];
             const float *p = q + g * D + c * 32;
             _mm512_storeu_si512((void *)pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p)));
-            for (int i = 0; i < 16; i++) qt[c * 256 + i * 16 + g] = pairs[i];
+            for (int i = 0; i < 16; i++) qt[(c * 16 + i) * G + g] = pairs[i];
         }
-    const __m512i col = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
     const __m512 sv = _mm512_set1_ps(scale);
     const int64_t page_bytes = page_size * D * 2;
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
@@ -82,16 +103,14 @@ static void att_amx_scores(const float *q, const uint16_t *k, const uint16_t *v,
         _tile_zero(7);
         for (int64_t c = 0; c < D / 32; c++) {
             AMX_LOADD(6, kp + c * 32, D * 2);
-            AMX_LOADD(5, qt + c * 256, 64);
+            AMX_LOADD(5, qt + c * 16 * G, 4 * G);
             _tile_dpbf16ps(7, 6, 5);
         }
-        _tile_stored(7, st, 64);
+        _tile_stored(7, st, 4 * G);
         const int64_t n = len - t0 < 16 ? len - t0 : 16; /* rows past len: not stored */
         const __mmask16 m = (__mmask16)((1u << n) - 1);
-        for (int64_t g = 0; g < G; g++) {
-            const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32((int)g)), st, 4);
-            _mm512_mask_storeu_ps(scores + g * len + t0, m, _mm512_mul_ps(s, sv));
-        }
+        for (int64_t g = 0; g < G; g++)
+            _mm512_mask_storeu_ps(scores + g * len + t0, m, _mm512_mul_ps(att_amx_column(st, G, g), sv));
     }
 }
 
@@ -126,14 +145,14 @@ static void att_amx_values(const float *p, const uint16_t *v, const int64_t *tab
                 }
             }
             AMX_LOADD(4, pb + j0, lp * 2);
-            AMX_LOADD(5, vb[0], 64);
-            _tile_dpbf16ps(0, 4, 5);
-            AMX_LOADD(5, vb[1], 64);
-            _tile_dpbf16ps(1, 4, 5);
-            AMX_LOADD(5, vb[2], 64);
-            _tile_dpbf16ps(2, 4, 5);
-            AMX_LOADD(5, vb[3], 64);
-            _tile_dpbf16ps(3, 4, 5);
+            AMX_LOADD(6, vb[0], 64);
+            _tile_dpbf16ps(0, 4, 6);
+            AMX_LOADD(6, vb[1], 64);
+            _tile_dpbf16ps(1, 4, 6);
+            AMX_LOADD(6, vb[2], 64);
+            _tile_dpbf16ps(2, 4, 6);
+            AMX_LOADD(6, vb[3], 64);
+            _tile_dpbf16ps(3, 4, 6);
         }
         _tile_stored(0, ob, 256);
         _tile_stored(1, ob + 16, 256);

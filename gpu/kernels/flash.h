@@ -160,18 +160,6 @@ static void fa_pack(const uint16_t *kh, const uint16_t *vh, const int64_t *pages
     }
 }
 
-/* 2^x as fa_exp2 for the tiles' probabilities, which round to bf16 next: the degree-3
-   polynomial (relative error ~7.5e-5, a 26th of bf16's rounding step) and no clamp (x
-   below -149 gives 0 through scalef; the lanes where x is not finite are masked off) */
-static inline __m512 fa_exp2_bf16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(5.517084e-2f), _mm512_set1_ps(2.4260935e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326096e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992818e-1f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* The online softmax of a tile's rows in base 2 (scores times scale * log2(e), m in
    those units), in passes over its 16 rows so that their chains overlap: each row's new
    max, every row's rescale factor at once, then the probabilities (rounded to bf16 for
@@ -209,8 +197,8 @@ static void fa_softmax(const fa_scratch *sc, int64_t t, const int64_t *seen,
         for (int c = 0; c < 2 * chunks; c += 2) {
             const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(sr + c * 16), cv, mv);
             const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(sr + c * 16 + 16), cv, mv);
-            const __m512 e0 = _mm512_maskz_mov_ps(live[r][c], lo ? fa_exp2(x0) : fa_exp2_bf16(x0));
-            const __m512 e1 = _mm512_maskz_mov_ps(live[r][c + 1], lo ? fa_exp2(x1) : fa_exp2_bf16(x1));
+            const __m512 e0 = _mm512_maskz_mov_ps(live[r][c], lo ? fa_exp2(x0) : exp2v_bf16(x0));
+            const __m512 e1 = _mm512_maskz_mov_ps(live[r][c + 1], lo ? fa_exp2(x1) : exp2v_bf16(x1));
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
             const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
             _mm512_storeu_si512((void *)(pr + c * 16), hi);

@@ -105,6 +105,38 @@ static inline vf siluv(vf g) {
     const vf e = expv((vf)_mm512_min_ps((__m512)-g, _mm512_set1_ps(80.f)));
     return g / (1.f + e);
 }
+/* 2^x for probabilities that round to bf16 next (flash.h's prompts, attend.h's decodes):
+   a degree-3 polynomial (relative error ~7.5e-5, a 26th of bf16's rounding step) and no
+   clamp (x below -149 gives 0 through scalef; x not finite: mask the lane off) */
+static inline __m512 exp2v_bf16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(5.517084e-2f), _mm512_set1_ps(2.4260935e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326096e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992818e-1f));
+    return _mm512_scalef_ps(p, n);
+}
+/* s[0..n) = exp(s - m) (m >= each s) as exp2v_bf16 gives it, for probabilities that
+   round to bf16 next; returns their sum. Two sums in flight, not one chain. */
+static inline float exp_sum_bf16(float *s, int64_t n, float m) {
+    const __m512 c = _mm512_set1_ps(1.44269504088896341f), mc = _mm512_set1_ps(-m * 1.44269504088896341f);
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 e0 = exp2v_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), c, mc));
+        const __m512 e1 = exp2v_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + i + 16), c, mc));
+        _mm512_storeu_ps(s + i, e0);
+        _mm512_storeu_ps(s + i + 16, e1);
+        a0 = _mm512_add_ps(a0, e0), a1 = _mm512_add_ps(a1, e1);
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = exp2v_bf16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + i), c, mc));
+        _mm512_mask_storeu_ps(s + i, k, e);
+        a0 = _mm512_mask_add_ps(a0, k, a0, e);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
 /* The 16 x 16 transpose of 32-bit lanes: r[j]'s lane p -> r[p]'s lane j (attend_dp.h: key
    j's 16 bf16 pairs -> pair p of the 16 keys; amx.h: a weight row's pairs -> a B tile) */
 static inline __attribute__((always_inline)) void tr16_dwords(__m512i r[16]) {

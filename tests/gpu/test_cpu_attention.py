@@ -106,7 +106,17 @@ def test_bf16_pools_take_the_bf16_kernel(heads: int, kv_heads: int, dim: int) ->
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 1, 128), (4, 2, 80), (4, 2, 256)]
+    ("heads", "kv_heads", "dim"),
+    [
+        (9, 3, 64),
+        (4, 4, 32),
+        (16, 1, 128),
+        (4, 2, 80),
+        (4, 2, 256),
+        (4, 4, 64),
+        (8, 2, 64),
+        (12, 2, 64),
+    ],
 )
 @pytest.mark.parametrize("level", LEVELS)
 def test_bf16_decode_kernel_in_each_isa_build(
@@ -114,7 +124,8 @@ def test_bf16_decode_kernel_in_each_isa_build(
 ) -> None:
     """Every ISA build's bf16-pool decodes (the AMX one on tiles for head sizes that are
     multiples of 64, the AVX512-BF16 ones on bf16 dot products for the other multiples of
-    32, both for up to 16 query heads a KV head; fp32 arithmetic otherwise) against fp32
+    32, both for up to 16 query heads a KV head: 1-4 of them read off the AMX tile by
+    permutes, more gathered; fp32 arithmetic otherwise) against fp32
     SDPA on the same values, over contexts of one key, part pages, whole pages (one and two) and
     several hundred keys."""
     torch.manual_seed(6)
