@@ -119,19 +119,19 @@ static inline __m512 exp2v_bf16(__m512 x) {
 /* s[0..n) = exp(s - m) (m >= each s) as exp2v_bf16 gives it, for probabilities that
    round to bf16 next; returns their sum. Two sums in flight, not one chain. */
 static inline float exp_sum_bf16(float *s, int64_t n, float m) {
-    const __m512 c = _mm512_set1_ps(1.44269504088896341f), mc = _mm512_set1_ps(-m * 1.44269504088896341f);
+    const __m512 c = _mm512_set1_ps(1.44269504088896341f), mv = _mm512_set1_ps(m);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        const __m512 e0 = exp2v_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), c, mc));
-        const __m512 e1 = exp2v_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + i + 16), c, mc));
+    for (; i + 32 <= n; i += 32) { /* (s - m) first: exact near m, whatever m's size */
+        const __m512 e0 = exp2v_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv), c));
+        const __m512 e1 = exp2v_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i + 16), mv), c));
         _mm512_storeu_ps(s + i, e0);
         _mm512_storeu_ps(s + i + 16, e1);
         a0 = _mm512_add_ps(a0, e0), a1 = _mm512_add_ps(a1, e1);
     }
     for (; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 e = exp2v_bf16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + i), c, mc));
+        const __m512 e = exp2v_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv), c));
         _mm512_mask_storeu_ps(s + i, k, e);
         a0 = _mm512_mask_add_ps(a0, k, a0, e);
     }

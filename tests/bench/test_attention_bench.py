@@ -10,46 +10,31 @@ from actorlm.gpu.kernels import native
 
 from bench import attention
 
+KERNEL = native.load(Path(attention.__file__).parents[1] / "gpu" / "kernels" / "cpu_step.c")
+
 
 def test_a_step_reads_every_layers_k_and_v_once() -> None:
     # the default model's shape: 32 sequences over 300 tokens, 30 layers, 3 KV heads of 64
     shape = attention.Shape(32, 300, 9, 3, 64, 30, 16, "bfloat16")
     assert attention.kv_bytes(shape) == 2 * 30 * 32 * 300 * 3 * 64 * 2
-    assert (
-        attention.kv_bytes(attention.Shape(1, 10, 4, 2, 8, 1, 16, "float32")) == 2 * 10 * 2 * 8 * 4
-    )
+    fp32 = attention.Shape(1, 10, 4, 2, 8, 1, 16, "float32")
+    assert attention.kv_bytes(fp32) == 2 * 10 * 2 * 8 * 4
     with pytest.raises(ValueError, match="multiple of --kv-heads"):
         attention.Shape(1, 10, 9, 2, 64, 1, 16, "bfloat16")
 
 
-@pytest.mark.skipif(native.load(Path(attention.__file__).parent.parent / "gpu/kernels/cpu_step.c") is None,
-                    reason="needs a C compiler for the kernel")  # fmt: skip
+@pytest.mark.skipif(KERNEL is None, reason="needs a C compiler for the kernel")
 def test_runs_a_tiny_shape_and_prints_its_limits(tmp_path: Path) -> None:
     best = native.best_isa().name
     out = tmp_path / "attention.json"
+    shape = ["--batch-sizes", "2", "--context-lens", "40", "--layers", "2"]
     results = attention.main(
-        [
-            "--batch-sizes",
-            "2",
-            "--context-lens",
-            "40",
-            "--layers",
-            "2",
-            "--steps",
-            "2",
-            "--flush-mb",
-            "1",
-            "--isas",
-            best,
-            "--out",
-            str(out),
-        ]  # fmt: skip
+        [*shape, "--steps", "2", "--flush-mb", "1", "--isas", best, "--out", str(out)]
     )
     (run,) = results["runs"]
     assert (run["isa"], run["batch"], run["context"]) == (best, 2, 40)
     assert run["bytes"] == 2 * 2 * 2 * 40 * 3 * 64 * 2
     assert run["ms"] > 0 and run["hot_ms"] > 0 and results["read_bandwidth"] > 0
-    md = out.with_suffix(".md").read_text()
     limit = run["bytes"] / results["read_bandwidth"] * 1e3
+    md = out.with_suffix(".md").read_text()
     assert f"| {best} | bfloat16 | 2 | 40 | 0.1 | " in md and f"| {limit:.2f} |" in md
-    assert out.is_file()
