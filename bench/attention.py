@@ -4,7 +4,7 @@ makes it) in each ISA build this CPU runs, against the bytes it must read.
 
 A decode step reads every cached token's K and V of every layer once; at 32 sequences
 over ~300 tokens that is ~220 MB on the default model's shape, more than its weights.
-Each row gets a layer's pool of its own (``--layers`` of them, the model's count by
+Each layer gets a pool of its own (``--layers`` of them, the model's count by
 default), so the working set is the model's and comes from memory as in a served step,
 and its pages are scattered over the pool (``--pages scattered``, as after a while of
 serving; ``sequential`` as a fresh pool hands them out). Between steps a buffer larger
