@@ -26,6 +26,7 @@ import ctypes
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,24 @@ __all__ = ["Shape", "kv_bytes", "measure"]
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+@dataclass(frozen=True)
 class Shape:
     """One measurement's shape: B sequences over ``context`` tokens each, a model's heads."""
 
-    def __init__(self, batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
-                 layers: int, page_size: int, dtype: str) -> None:  # fmt: skip
-        if heads % kv_heads:
-            raise ValueError(f"--heads {heads} is not a multiple of --kv-heads {kv_heads}")
-        self.batch, self.context, self.heads, self.kv_heads = batch, context, heads, kv_heads
-        self.head_dim, self.layers, self.page_size, self.dtype = head_dim, layers, page_size, dtype
+    batch: int
+    context: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    page_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}"
+            )
 
 
 def kv_bytes(s: Shape) -> int:

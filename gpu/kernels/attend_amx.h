@@ -55,15 +55,12 @@ static inline int att_amx_ready(int64_t len, int64_t G, int64_t D, int64_t page_
     return 1;
 }
 
-/* Lane i of head g's column of S^T (st: [16 keys][G], rows of G floats): st[i * G + g],
-   by permutes of the rows where G <= 4 (a gather of 16 cost as much as the block's
-   products), gathered above */
-static inline __m512 att_amx_column(const float *st, int64_t G, int64_t g) {
-    const __m512i idx = _mm512_add_epi32(
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32((int)G)),
-        _mm512_set1_epi32((int)g));
+/* Lane i of head g's column of S^T (st: [16 keys][G], rows of G floats): st[i * G + g]
+   (rows: i * G in lane i), by permutes of the rows where G <= 4 (a gather of 16 cost as
+   much as the block's products), gathered above */
+static inline __m512 att_amx_column(const float *st, __m512i rows, int64_t G, int64_t g) {
     if (G == 1) return _mm512_loadu_ps(st);
+    const __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32((int)g));
     if (G > 4) return _mm512_i32gather_ps(idx, st, 4);
     const __m512 lo = _mm512_permutex2var_ps(_mm512_loadu_ps(st), idx, _mm512_loadu_ps(st + 16));
     if (G == 2) return lo;
@@ -89,6 +86,8 @@ static void att_amx_scores(const float *q, const uint16_t *k, const uint16_t *v,
             for (int i = 0; i < 16; i++) qt[(c * 16 + i) * G + g] = pairs[i];
         }
     const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)G));
     const int64_t page_bytes = page_size * D * 2;
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const uint16_t *kp = k + (table[t0 / page_size] * page_size + t0 % page_size) * D;
@@ -110,7 +109,7 @@ static void att_amx_scores(const float *q, const uint16_t *k, const uint16_t *v,
         const int64_t n = len - t0 < 16 ? len - t0 : 16; /* rows past len: not stored */
         const __mmask16 m = (__mmask16)((1u << n) - 1);
         for (int64_t g = 0; g < G; g++)
-            _mm512_mask_storeu_ps(scores + g * len + t0, m, _mm512_mul_ps(att_amx_column(st, G, g), sv));
+            _mm512_mask_storeu_ps(scores + g * len + t0, m, _mm512_mul_ps(att_amx_column(st, rows, G, g), sv));
     }
 }
 
