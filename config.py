@@ -63,6 +63,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = "fcfs"  # fcfs | lpm | priority
     max_running_requests: int = 64
     max_prefill_tokens: int = 0  # per-step token budget (chunked prefill); 0 = the platform's
+    # a decode's pages asked for this many at a time, one run of ids; 0 = the platform's
+    decode_page_run: int = 0
     max_queued_requests: int = 1024
     max_queue_time_s: float = (
         0.0  # a request not started after this long fails; 0: the request timeout

@@ -43,6 +43,8 @@ FLAG_HELP: dict[str, str] = {
     "policy": "admission order: fcfs, lpm (longest cached prefix first) or priority (which also keeps short prompts from going before long ones being chunked)",
     "max_running_requests": "requests in the running batch at most",
     "max_prefill_tokens": "prompt tokens computed per step, chunked beyond (0: the platform's)",
+    "decode_page_run": "a decode's KV pages asked for this many at a time, one run of ids, "
+    "while a quarter of the pool stays available (0: the platform's: 8 on the CPU, else 1)",
     "max_queued_requests": "requests queued or running at most; more get 429/503 (0: no limit)",
     "max_queue_time_s": "a request not started after this long fails (0: --request-timeout-s)",
     "step_timeout_s": "a forward step taking longer than this fails its requests",

@@ -6,8 +6,9 @@ A decode step reads every cached token's K and V of every layer once; at 32 sequ
 over ~300 tokens that is ~220 MB on the default model's shape, more than its weights.
 Each layer gets a pool of its own (``--layers`` of them, the model's count by
 default), so the working set is the model's and comes from memory as in a served step,
-and its pages are scattered over the pool (``--pages scattered``, as after a while of
-serving; ``sequential`` as a fresh pool hands them out). Between steps a buffer larger
+and its pages are scattered over the pool in runs of consecutive ids (``--pages runs:8``,
+as decodes take them on a CPU, ``--decode-page-run``), one by one (``scattered``, as
+they did before), or each sequence's in order (``sequential``). Between steps a buffer larger
 than the last-level cache is read (``--flush-mb``), as a served step's weights pass
 through the caches between two steps' attention. Beside each figure: the same
 calls with every sequence reading the first one's pages of one layer (``hot``: what
@@ -41,7 +42,7 @@ from actorlm.gpu.kernels.step import native_step  # noqa: E402
 
 from bench import machine  # noqa: E402
 
-__all__ = ["Shape", "kv_bytes", "measure"]
+__all__ = ["Shape", "kv_bytes", "measure", "page_run"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -72,23 +73,39 @@ def kv_bytes(s: Shape) -> int:
     return 2 * s.layers * s.batch * s.context * s.kv_heads * s.head_dim * esize
 
 
-def _pools(s: Shape, scattered: bool, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def page_run(pages: str) -> int:
+    """``--pages`` as the length of the runs of consecutive page ids (0: sequential)."""
+    if pages in ("scattered", "sequential"):
+        return int(pages == "scattered")
+    kind, _, n = pages.partition(":")
+    if kind != "runs" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"--pages {pages!r}: scattered, sequential or runs:N (N >= 1)")
+    return int(n)
+
+
+def _pools(s: Shape, run: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each layer's K and V pool [2, kv_heads, pages, page_size, head_dim] and the page
-    tables [batch, pages a sequence]."""
+    tables [batch, pages a sequence]: runs of ``run`` consecutive ids in a random order,
+    dealt to the sequences in turn as decodes side by side take them (0: in order)."""
     per_seq = -(-s.context // s.page_size)
-    pages = s.batch * per_seq
     gen = torch.Generator().manual_seed(seed)
+    if run == 0:
+        table = torch.arange(s.batch * per_seq).view(s.batch, per_seq)
+    else:
+        runs = -(-per_seq // run)  # a sequence's
+        starts = torch.randperm(s.batch * runs, generator=gen).view(runs, s.batch).t() * run
+        table = (starts[:, :, None] + torch.arange(run)).reshape(s.batch, -1)[:, :per_seq]
+    pages = int(table.max()) + 1
     pools = [
         torch.randn(2, s.kv_heads, pages, s.page_size, s.head_dim, generator=gen).to(
             _DTYPES[s.dtype]
         )
         for _ in range(s.layers)
     ]
-    order = torch.randperm(pages, generator=gen) if scattered else torch.arange(pages)
-    return pools, order.view(s.batch, per_seq).contiguous()
+    return pools, table.contiguous()
 
 
-def measure(s: Shape, isa: str, threads: int, steps: int, scattered: bool = True,
+def measure(s: Shape, isa: str, threads: int, steps: int, run: int = 1,
             flush: torch.Tensor | None = None, seed: int = 0) -> dict[str, float]:  # fmt: skip
     """Median ms of a step's attention (all layers), from memory (``flush`` read before
     each step) and hot."""
@@ -96,12 +113,12 @@ def measure(s: Shape, isa: str, threads: int, steps: int, scattered: bool = True
     if lib is None:
         raise RuntimeError(f"the {isa} build of cpu_step.c could not be made here")
     fn = lib.actorlm_paged_decode_kv
-    pools, table = _pools(s, scattered, seed)
+    pools, table = _pools(s, run, seed)
     G, D = s.heads // s.kv_heads, s.head_dim
     q = torch.randn(s.batch, s.heads * D, generator=torch.Generator().manual_seed(seed + 1))
     out = torch.empty_like(q)
     lens = torch.full((s.batch,), s.context, dtype=torch.int64)
-    pages = table.numel()
+    pages = pools[0].shape[2]
     bf16 = int(s.dtype == "bfloat16")
 
     one = table[:1].expand_as(table).contiguous()  # every sequence on the first's pages
@@ -141,7 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtypes", default="bfloat16", help="KV dtypes: bfloat16, float32")
     p.add_argument("--isas", default="", help="ISA builds (default: every one this CPU runs)")
-    p.add_argument("--pages", choices=("scattered", "sequential"), default="scattered")
+    p.add_argument(
+        "--pages", default="runs:8", help="scattered, sequential or runs:N (default runs:8)"
+    )
     p.add_argument("--threads", type=int, default=0, help="default: every core")
     p.add_argument(
         "--flush-mb", type=int, default=512, help="read between steps (0: none; default 512)"
@@ -174,6 +193,10 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    try:
+        run = page_run(args.pages)
+    except ValueError as e:
+        raise SystemExit(f"bench/attention.py: {e}") from None
     threads = args.threads or torch.get_num_threads()
     runs_on = [i.name for i in native.supported_isas(native.cpu_flags())]
     isas = [i for i in args.isas.split(",") if i] or runs_on[:-1] or runs_on  # generic last
@@ -194,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 shape = Shape(batch, context, args.heads, args.kv_heads, args.head_dim,
                               args.layers, args.page_size, dtype)  # fmt: skip
                 for isa in isas:
-                    got = measure(shape, isa, threads, args.steps, args.pages == "scattered", flush)
+                    got = measure(shape, isa, threads, args.steps, run, flush)
                     results["runs"].append(
                         {
                             "isa": isa,

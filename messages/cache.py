@@ -42,6 +42,9 @@ class CommitOp(msgspec.Struct, frozen=True, array_like=True):
 class ExtendOp(msgspec.Struct, frozen=True, array_like=True):
     rid: str
     num_pages: int
+    # up to this many pages more, in the same run of ids, where the pool has room to
+    # spare (KVCacheManager.extend): a decode's next pages beside each other
+    more_pages: int = 0
 
 
 class AdmitOp(msgspec.Struct, frozen=True, array_like=True):
@@ -50,6 +53,7 @@ class AdmitOp(msgspec.Struct, frozen=True, array_like=True):
     extra_pages: int = 0
     priority: int = 0
     lora_id: str = ""  # the adapter whose KV this is: prefixes are shared within one only
+    more_pages: int = 0  # as ExtendOp's: decode pages right after the prompt's, if room
 
 
 class CacheStep(Message, frozen=True, kw_only=True):

@@ -86,10 +86,12 @@ class KVCacheManager:
         token_ids: Sequence[int],
         extra_pages: int = 0,
         *,
+        more_pages: int = 0,
         priority: int = 0,
         namespace: str = "",
     ) -> Admission | None:
-        """Reserve pages for all of ``token_ids`` plus ``extra_pages`` more (decode headroom).
+        """Reserve pages for all of ``token_ids`` plus ``extra_pages`` more (decode headroom),
+        and ``more_pages`` beyond those where the pool has room to spare (``_alloc``).
 
         Reuses the longest cached prefix (locked until ``finish``/``release``),
         evicting unlocked cache entries if free pages run short. The prefix stops
@@ -110,7 +112,7 @@ class KVCacheManager:
             match = self.tree.match_prefix(token_ids[:-1], touch=False, namespace=namespace)
             node, shared = match.node, match.pages
             self.tree.lock(node)  # before evicting, so the match cannot evict itself
-        fresh = self._alloc(total_pages - len(shared))
+        fresh = self._alloc(total_pages - len(shared), more_pages)
         if fresh is None:
             if node is not None:
                 self.tree.unlock(node)
@@ -151,12 +153,14 @@ class KVCacheManager:
                 return rid
         return None
 
-    def extend(self, rid: str, num_pages: int) -> list[int] | None:
-        """Append ``num_pages`` fresh pages to the request (evicting if needed), or None."""
+    def extend(self, rid: str, num_pages: int, more_pages: int = 0) -> list[int] | None:
+        """Append ``num_pages`` fresh pages to the request (evicting if needed), and up to
+        ``more_pages`` more where the pool has room to spare; None if even the first
+        cannot be had."""
         req = self._requests[rid]
-        if num_pages < 0:
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        fresh = self._alloc(num_pages)
+        if num_pages < 0 or more_pages < 0:
+            raise ValueError(f"page counts must be >= 0, got {num_pages} and {more_pages}")
+        fresh = self._alloc(num_pages, more_pages)
         if fresh is not None:
             req.pages.extend(fresh)
         return fresh
@@ -275,8 +279,16 @@ class KVCacheManager:
 
     # ---- internals ------------------------------------------------------------
 
-    def _alloc(self, n: int) -> list[int] | None:
-        """``n`` fresh pages, evicting unlocked cache entries first if needed."""
+    def _alloc(self, n: int, more: int = 0) -> list[int] | None:
+        """``n`` fresh pages, evicting unlocked cache entries first if needed; and ``more``
+        with them (one run of ids, as the free list hands them out) while a quarter of
+        the pool stays available after: where it is tighter, pages go to admitting more
+        requests instead. The scheduler asks for ``more`` where a decode's pages should
+        lie together (``--decode-page-run``: on a CPU, its K and V in runs the hardware
+        prefetcher follows; the CPU platform's ``default_decode_page_run`` has numbers).
+        """
+        if more and self.num_available_pages - n - more >= self.allocator.num_pages // 4:
+            n += more
         short = n - self.allocator.num_free
         if short > 0:
             if short > self.tree.num_evictable_pages:

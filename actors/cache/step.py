@@ -103,7 +103,7 @@ def apply_step(kv: KVCacheManager, step: CacheStep, tier: HiCacheTier | None = N
     extended: dict[str, list[int]] = {}
     for ext in step.extends:
         if ext.rid in kv:
-            pages = kv.extend(ext.rid, ext.num_pages)
+            pages = kv.extend(ext.rid, ext.num_pages, ext.more_pages)
             if pages is not None:
                 extended[ext.rid] = pages
     admits = _admission_order(kv, step)
@@ -116,7 +116,12 @@ def apply_step(kv: KVCacheManager, step: CacheStep, tier: HiCacheTier | None = N
             waits += 1
             continue
         got = kv.admit(
-            op.rid, op.token_ids, op.extra_pages, priority=op.priority, namespace=op.lora_id
+            op.rid,
+            op.token_ids,
+            op.extra_pages,
+            more_pages=op.more_pages,
+            priority=op.priority,
+            namespace=op.lora_id,
         )
         if got is None:
             break  # no smaller one after it jumps the queue into the pages it needs

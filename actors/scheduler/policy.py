@@ -126,6 +126,11 @@ class BatchPlanner:
         self.clock = clock  # seconds; when a request arrives, for its queue deadline
         # 0 until a platform fills it in (resolve_config); a bare config gets the default
         self.prefill_budget = cfg.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
+        # a decode's pages asked for this many at a time (fewer where its max_new_tokens
+        # needs fewer), one run of ids (KVCacheManager._alloc): on a CPU its K and V then
+        # lie in runs the prefetcher follows, and its cache round trips for new pages come
+        # that much less often
+        self.page_run = max(1, cfg.decode_page_run)
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_model_len = max_model_len
@@ -349,12 +354,15 @@ class BatchPlanner:
     def cache_ops(self) -> CacheStep | None:
         """This step's cache operations, or None when there are none."""
         self._extends = {}
+        extends: list[ExtendOp] = []
         for req in self.running.values():
             req.blocked = False
             if req.todo == 1:  # decoding: room for one more token?
                 need = self.pages_for(req.base + 1) - len(req.pages)
                 if need > 0:
                     self._extends[req.rid] = need
+                    more = self._run_beyond(req, len(req.pages) + need)
+                    extends.append(ExtendOp(req.rid, need, more))
         admits: list[AdmitOp] = []
         slots = self.cfg.max_running_requests - len(self.running)
         if self._hold_admission and self.running:
@@ -370,10 +378,17 @@ class BatchPlanner:
                 if admits and budget <= 0:
                     break
                 budget -= len(req.ids) - req.computed
-                extra = self.pages_for(len(req.ids) + 1) - self.pages_for(len(req.ids))
+                total = self.pages_for(len(req.ids) + 1)
+                extra = total - self.pages_for(len(req.ids))
+                more = self._run_beyond(req, total)
                 admits.append(
                     AdmitOp(
-                        req.rid, list(req.ids), extra, req.request.priority, req.request.lora_id
+                        req.rid,
+                        list(req.ids),
+                        extra,
+                        req.request.priority,
+                        req.request.lora_id,
+                        more,
                     )
                 )
         pending = self._finishes or self._releases or self._commits or self._forget_keys
@@ -383,7 +398,7 @@ class BatchPlanner:
             finishes=self._finishes,
             releases=self._releases,
             commits=self._commits,
-            extends=[ExtendOp(rid, n) for rid, n in self._extends.items()],
+            extends=extends,
             admits=admits,
             longest_prefix_first=self.cfg.policy == "lpm",
             forget_keys=self._forget_keys,
@@ -391,6 +406,12 @@ class BatchPlanner:
         self._finishes, self._releases, self._commits = [], [], []
         self._forget_keys = []
         return step
+
+    def _run_beyond(self, req: Req, pages: int) -> int:
+        """Pages to ask for past the first ``pages`` of ``req``'s table, so that its next
+        ones come with them as a run (``page_run``), none past its last token's."""
+        last = self.pages_for(req.prompt_len + req.params.max_new_tokens)
+        return max(0, min(self.page_run - 1, last - pages))
 
     def apply_cache(self, result: CacheStepResult) -> None:
         self._store_pages += result.store_pages

@@ -23,6 +23,24 @@ def test_a_step_reads_every_layers_k_and_v_once() -> None:
         attention.Shape(1, 10, 9, 2, 64, 1, 16, "bfloat16")
 
 
+def test_pages_come_in_runs_dealt_to_the_sequences_in_turn() -> None:
+    assert [attention.page_run(p) for p in ("scattered", "sequential", "runs:8")] == [1, 0, 8]
+    for bad in ("runs:0", "runs", "blocks:4"):
+        with pytest.raises(ValueError, match="scattered, sequential or runs:N"):
+            attention.page_run(bad)
+    shape = attention.Shape(3, 100, 9, 3, 64, 1, 16, "bfloat16")  # 7 pages a sequence
+    for run in (0, 1, 4):
+        pools, table = attention._pools(shape, run, seed=0)
+        assert table.shape == (3, 7) and len(set(table.flatten().tolist())) == 21
+        assert pools[0].shape[2] == int(table.max()) + 1
+        if run:  # each sequence's pages: runs of `run` consecutive ids, then the last cut
+            for row in table.tolist():
+                starts = row[::run]
+                assert all(row[i] == starts[i // run] + i % run for i in range(7)), row
+    assert table[0].tolist()[:4] != table[1].tolist()[:4]
+    assert attention._pools(shape, 0, seed=0)[1][1].tolist() == list(range(7, 14))
+
+
 @pytest.mark.skipif(KERNEL is None, reason="needs a C compiler for the kernel")
 def test_runs_a_tiny_shape_and_prints_its_limits(tmp_path: Path) -> None:
     best = native.best_isa().name

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from actorlm.config import EngineConfig, ModelConfig, SchedulerConfig
-from actorlm.gpu.platforms import CpuPlatform, CudaPlatform
+from actorlm.gpu.platforms import CpuPlatform, CudaPlatform, Platform
 
 from .distbuilder import run_python, write_distribution
 
@@ -295,11 +295,14 @@ def test_cpu_platform_describes_this_machine() -> None:
     assert budget == (2 * base if amx else base)  # AMX's bf16 prefill takes twice the tokens
     fp32 = EngineConfig(model=ModelConfig(device="", dtype="float32", page_size=0))
     assert platform.adjust_defaults(fp32).scheduler.max_prefill_tokens == base
+    # a decode's pages in runs of 8 on a CPU (its prefetcher), one at a time elsewhere
+    assert platform.adjust_defaults(unset).scheduler.decode_page_run == 8
+    assert Platform().adjust_defaults(unset).scheduler.decode_page_run == 1
     chosen = EngineConfig(
         model=ModelConfig(
             device="cpu", dtype="float32", attention_backend="x", page_size=4, quantization="none"
         ),
-        scheduler=SchedulerConfig(max_prefill_tokens=4096),
+        scheduler=SchedulerConfig(max_prefill_tokens=4096, decode_page_run=2),
     )
     assert platform.adjust_defaults(chosen) is chosen  # what the user chose stays
 

@@ -58,6 +58,27 @@ def test_admission_evicts_unlocked_cache_but_not_running_prefixes() -> None:
     kv.check_invariants()
 
 
+def test_more_pages_come_as_one_run_while_a_quarter_of_the_pool_stays_available() -> None:
+    """``more_pages`` (a decode's next pages, asked for with the one it needs) come
+    with the needed ones, consecutive ids, while a quarter of the pool is left free or
+    evictable after; where it is tighter only the needed pages, and a refusal is
+    still all or nothing."""
+    kv = KVCacheManager(32, PS)
+    a = kv.admit("a", [1, 2, 3], more_pages=3)  # 2 pages + 3
+    assert a is not None and a.page_ids == [0, 1, 2, 3, 4]
+    assert kv.extend("a", 1, more_pages=3) == [5, 6, 7, 8]
+    b = kv.admit("b", list(range(10, 40)), more_pages=3)  # 15 pages of 23: 5 left, not 8
+    assert b is not None and b.page_ids == list(range(9, 24))
+    assert kv.extend("b", 1, more_pages=3) == [24]
+    kv.finish("a", [1, 2, 3, 4])  # its pages past the tokens go back
+    assert kv.stats()["pages_private"] == 16  # b's alone
+    kv.check_invariants()
+    tight = KVCacheManager(4, PS)
+    tight.admit("c", [1, 2, 3, 4, 5, 6])
+    assert tight.extend("c", 2, more_pages=3) is None and tight.page_table("c") == [0, 1, 2]
+    tight.check_invariants()
+
+
 def test_disabled_prefix_cache_never_shares() -> None:
     kv = KVCacheManager(6, PS, enable_prefix_cache=False)
     kv.admit("a", [1, 2, 3])

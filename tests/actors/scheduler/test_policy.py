@@ -82,8 +82,12 @@ def run(
     return {rid: outputs.get(rid, []) for rid in ended if ended[rid] in ("length", "stop")}
 
 
-def make(num_pages: int, max_running: int = 8) -> tuple[BatchPlanner, KVCacheManager]:
-    cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=24)
+def make(
+    num_pages: int, max_running: int = 8, page_run: int = 1
+) -> tuple[BatchPlanner, KVCacheManager]:
+    cfg = SchedulerConfig(
+        max_running_requests=max_running, max_prefill_tokens=24, decode_page_run=page_run
+    )
     planner = BatchPlanner(cfg, page_size=PAGE, num_pages=num_pages, max_model_len=4096)
     return planner, KVCacheManager(num_pages, PAGE)
 
@@ -327,3 +331,50 @@ def test_a_short_prompt_goes_before_a_long_one_being_chunked() -> None:
             assert got == {"short": 5, "long": 19}, policy
         else:
             assert got == {"long": 24}, policy
+
+
+def _runs(pages: list[int]) -> list[int]:
+    """The lengths of the runs of consecutive ids in a page table."""
+    runs = [1]
+    for a, b in zip(pages, pages[1:], strict=False):
+        runs[-1:] = [runs[-1] + 1] if b == a + 1 else [runs[-1], 1]
+    return runs
+
+
+def test_decodes_side_by_side_get_their_pages_in_runs() -> None:
+    """Sequences decoding together ask for their pages ``decode_page_run`` at a time, so
+    each one's table is runs of consecutive ids (its K and V in runs a CPU's prefetcher
+    follows), never past its last token's page, and outputs are unchanged; in a pool
+    with nothing to spare (4 x 12 of 48 pages), runs stop once 3/4 of it is taken."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1000) for _ in range(6)] for _ in range(4)]
+    outs = []
+    for num_pages in (256, 48):
+        planner, kv = make(num_pages, page_run=8)
+        for i, p in enumerate(prompts):
+            assert planner.add(request(f"r{i}", p, 40), "t") is None
+        history: dict[tuple[int, int], int] = {}
+        tables: dict[str, list[int]] = {}
+        outputs: dict[str, list[int]] = {}
+        for step_id in range(60):
+            ops = planner.cache_ops()
+            if ops is not None:
+                planner.apply_cache(apply_step(kv, ops).result)
+            tables.update({r.rid: list(r.pages) for r in planner.running.values()})
+            batch = planner.build_batch(step_id)
+            if not batch.seqs:
+                break
+            for d in planner.on_result(batch, model(batch, history)):
+                outputs.setdefault(d.rid, []).extend(d.token_ids)
+            kv.check_invariants()
+        outs.append(outputs)
+        last = -(-(6 + 40 - 1) // PAGE)  # the KV of a prompt and its new tokens but the last
+        for rid, table in tables.items():
+            assert len(table) == last, (rid, table)
+            if num_pages == 256:  # the prompt's 2 pages with 7 more, then the last 3
+                assert _runs(table) == [9, 3], (rid, table)
+            else:
+                assert _runs(table) == [9, 1, 1, 1], (rid, table)
+        kv.flush()
+        assert kv.allocator.num_free == num_pages
+    assert outs[0] == outs[1] and all(len(v) == 40 for v in outs[0].values())
