@@ -86,12 +86,10 @@ class KVCacheManager:
         token_ids: Sequence[int],
         extra_pages: int = 0,
         *,
-        more_pages: int = 0,
         priority: int = 0,
         namespace: str = "",
     ) -> Admission | None:
-        """Reserve pages for all of ``token_ids`` plus ``extra_pages`` more (decode headroom),
-        and ``more_pages`` beyond those where the pool has room to spare (``_alloc``).
+        """Reserve pages for all of ``token_ids`` plus ``extra_pages`` more (decode headroom).
 
         Reuses the longest cached prefix (locked until ``finish``/``release``),
         evicting unlocked cache entries if free pages run short. The prefix stops
@@ -112,7 +110,7 @@ class KVCacheManager:
             match = self.tree.match_prefix(token_ids[:-1], touch=False, namespace=namespace)
             node, shared = match.node, match.pages
             self.tree.lock(node)  # before evicting, so the match cannot evict itself
-        fresh = self._alloc(total_pages - len(shared), more_pages)
+        fresh = self._alloc(total_pages - len(shared))
         if fresh is None:
             if node is not None:
                 self.tree.unlock(node)
@@ -154,9 +152,9 @@ class KVCacheManager:
         return None
 
     def extend(self, rid: str, num_pages: int, more_pages: int = 0) -> list[int] | None:
-        """Append ``num_pages`` fresh pages to the request (evicting if needed), and up to
-        ``more_pages`` more where the pool has room to spare; None if even the first
-        cannot be had."""
+        """Append ``num_pages`` fresh pages to the request (evicting if needed), and
+        ``more_pages`` more where the pool has room to spare (``_alloc``); None if even
+        the first cannot be had."""
         req = self._requests[rid]
         if num_pages < 0 or more_pages < 0:
             raise ValueError(f"page counts must be >= 0, got {num_pages} and {more_pages}")

@@ -116,15 +116,13 @@ def apply_step(kv: KVCacheManager, step: CacheStep, tier: HiCacheTier | None = N
             waits += 1
             continue
         got = kv.admit(
-            op.rid,
-            op.token_ids,
-            op.extra_pages,
-            more_pages=op.more_pages,
-            priority=op.priority,
-            namespace=op.lora_id,
+            op.rid, op.token_ids, op.extra_pages, priority=op.priority, namespace=op.lora_id
         )
         if got is None:
             break  # no smaller one after it jumps the queue into the pages it needs
+        if op.more_pages:  # the free list's next ids: one run with the prompt's new pages
+            more = kv.extend(op.rid, 0, op.more_pages) or []
+            got = Admission(got.cached_len, got.page_ids + more)
         if tier is not None:
             got, found = tier.extend(op.token_ids, got, ps, op.lora_id)
             loads += found

@@ -64,11 +64,11 @@ def test_more_pages_come_as_one_run_while_a_quarter_of_the_pool_stays_available(
     evictable after; where it is tighter only the needed pages, and a refusal is
     still all or nothing."""
     kv = KVCacheManager(32, PS)
-    a = kv.admit("a", [1, 2, 3], more_pages=3)  # 2 pages + 3
-    assert a is not None and a.page_ids == [0, 1, 2, 3, 4]
+    a = kv.admit("a", [1, 2, 3])  # 2 pages, then 3 more (as apply_step asks)
+    assert a is not None and a.page_ids == [0, 1] and kv.extend("a", 0, 3) == [2, 3, 4]
     assert kv.extend("a", 1, more_pages=3) == [5, 6, 7, 8]
-    b = kv.admit("b", list(range(10, 40)), more_pages=3)  # 15 pages of 23: 5 left, not 8
-    assert b is not None and b.page_ids == list(range(9, 24))
+    b = kv.admit("b", list(range(10, 40)))  # 15 pages of 23: 3 more would leave 5, not 8
+    assert b is not None and b.page_ids == list(range(9, 24)) and kv.extend("b", 0, 3) == []
     assert kv.extend("b", 1, more_pages=3) == [24]
     kv.finish("a", [1, 2, 3, 4])  # its pages past the tokens go back
     assert kv.stats()["pages_private"] == 16  # b's alone
