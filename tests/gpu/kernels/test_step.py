@@ -228,6 +228,11 @@ def test_extensions_attend_together_over_a_bf16_pool(
     tiles = fused.max_new == FusedDecoder.MAX_NEW
     dots = FusedDecoder.MAX_NEW_DOTS_Q4 if weights == "blocks" else FusedDecoder.MAX_NEW_DOTS
     assert tiles or fused.max_new == dots
+    # a prefill budget past what the tiles' step takes says what it costs (the worker
+    # logs it); where prompts go through the model's forward anyway, nothing to say
+    note = fused.budget_note(2048)
+    assert (note is not None and "512 prompt tokens" in note) if tiles else note is None
+    assert fused.budget_note(512) is None
     pages = list(range(runner.pool.num_pages))
     random.Random(7).shuffle(pages)
     a, b, c = pages[:60], pages[60:80], pages[80:82]
