@@ -143,7 +143,7 @@ class BatchPlanner:
         self._releases: list[str] = []
         self._commits: list[CommitOp] = []
         self._worker_release: list[str] = []
-        self._extends: dict[str, int] = {}
+        self._extends: list[ExtendOp] = []
         self._deltas: list[TokenDelta] = []
         self._store_pages: list[PageIO] = []
         self._load_pages: list[PageIO] = []
@@ -296,7 +296,7 @@ class BatchPlanner:
         every pending operation on its pages. Running requests must then fail or be
         requeued; the cache manager starts over with the next pool epoch."""
         self._finishes, self._releases, self._commits = [], [], []
-        self._extends = {}
+        self._extends = []
         self._store_pages, self._load_pages = [], []
         self._hold_admission = False
         self._flight.clear()
@@ -353,16 +353,14 @@ class BatchPlanner:
 
     def cache_ops(self) -> CacheStep | None:
         """This step's cache operations, or None when there are none."""
-        self._extends = {}
-        extends: list[ExtendOp] = []
+        self._extends = []
         for req in self.running.values():
             req.blocked = False
             if req.todo == 1:  # decoding: room for one more token?
                 need = self.pages_for(req.base + 1) - len(req.pages)
                 if need > 0:
-                    self._extends[req.rid] = need
                     more = self._run_beyond(req, len(req.pages) + need)
-                    extends.append(ExtendOp(req.rid, need, more))
+                    self._extends.append(ExtendOp(req.rid, need, more))
         admits: list[AdmitOp] = []
         slots = self.cfg.max_running_requests - len(self.running)
         if self._hold_admission and self.running:
@@ -398,7 +396,7 @@ class BatchPlanner:
             finishes=self._finishes,
             releases=self._releases,
             commits=self._commits,
-            extends=extends,
+            extends=self._extends,
             admits=admits,
             longest_prefix_first=self.cfg.policy == "lpm",
             forget_keys=self._forget_keys,
@@ -434,7 +432,7 @@ class BatchPlanner:
             if rid in self.running:
                 self.running[rid].pages = list(table)
         refused = False
-        for rid in self._extends:
+        for rid in (op.rid for op in self._extends):
             req = self.running.get(rid)
             if req is None:
                 continue
