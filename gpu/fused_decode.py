@@ -439,20 +439,73 @@ class FusedDecoder:
         self.step.set_lora(descs, pool.max_rank)  # type: ignore[arg-type]
         return True
 
-    def budget_note(self, budget: int) -> str | None:
-        """What a prefill budget (``--max-prefill-tokens``) above what this decoder takes
-        costs, where it takes whole prompt chunks (tiles), or None. Past 512 rows a step
-        runs through the model's forward: a prompt of the default model alone in a step,
-        2-core AMX Xeon, 169 us a token at 512 tokens, 262 / 223 / 254 at 640 / 1,024 /
-        2,048."""
-        if self.max_new < self.MAX_NEW or budget <= self.max_new:
+    @property
+    def splits(self) -> bool:
+        """Whether steps too large for one call run as several (``split``): where it
+        takes whole prompt chunks (AMX tiles) in calls at least that large."""
+        return self.max_new >= self.MAX_NEW and self.max_batch >= self.max_new
+
+    def split(
+        self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None
+    ) -> list[list[tuple[int, SeqSpec]]] | None:
+        """A step too large for one call as calls this decoder takes, to run in order
+        (``run_split``), or None: it fits one call, it has adapters, or this decoder takes
+        prompts a few rows at a time (there the model's forward serves long ones as well).
+        A sequence's new tokens go in chunks of up to ``max_new``, each chunk in a later
+        call than the one before it (its keys are in the pool by then), and only the last
+        one samples; a chunk joins the first call from there with room for its rows. Each
+        entry: the sequence's index in ``seqs`` and its chunk.
+
+        The prefill budget is the platform's (``--max-prefill-tokens``: 1,024 and more on
+        AMX CPUs of 4 cores and more) and may pass what one call takes; split, such a step
+        keeps the fused step's speed. The default model's prompts on the 2-core AMX Xeon,
+        in calls of 512 against the model's forward whole: 1,024 tokens 181 against 225 ms,
+        2,048 430 against 503."""
+        if plan is not None or not self.splits:
             return None
-        return (
-            f"--max-prefill-tokens {budget}: steps of more than {self.max_new} prompt tokens of "
-            f"a sequence (or {self.max_batch} rows) run through the model's forward instead "
-            f"of the fused step, ~1.3-1.5x the time a token on a CPU; {self.max_new} or "
-            "less keeps them in it"
-        )
+        if not seqs or not all(s.input_ids for s in seqs) or self.accepts(seqs):
+            return None
+        calls: list[list[tuple[int, SeqSpec]]] = []
+        rows: list[int] = []
+        for i, s in enumerate(seqs):
+            n, after = len(s.input_ids), 0  # after: the first call its next chunk may join
+            for c0 in range(0, n, self.max_new):
+                ids = s.input_ids[c0 : c0 + self.max_new]
+                last = c0 + len(ids) == n
+                k = after
+                while k < len(calls) and rows[k] + len(ids) > self.max_batch:
+                    k += 1
+                if k == len(calls):
+                    calls.append([])
+                    rows.append(0)
+                chunk = SeqSpec(ids, s.start_pos + c0, s.page_ids, s.sample and last, s.prompt_len)
+                calls[k].append((i, chunk))
+                rows[k] += len(ids)
+                after = k + 1
+        return calls
+
+    def run_split(
+        self,
+        calls: list[list[tuple[int, SeqSpec]]],
+        on_argmax: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """``run`` over ``split``'s calls in turn: the logits [S, vocab] of the sequences
+        that sample, in the step's order, and ``on_argmax`` called once with them all."""
+        logits: list[torch.Tensor] = []
+        picks: list[torch.Tensor] = []
+        owners: list[int] = []
+
+        def keep(_: torch.Tensor, p: torch.Tensor) -> None:
+            picks.append(p)
+
+        for call in calls:
+            logits.append(self.run([s for _, s in call], None, None if on_argmax is None else keep))
+            owners += [i for i, s in call if s.sample]
+        order = torch.from_numpy(np.argsort(np.asarray(owners, np.int64), kind="stable"))
+        out = torch.cat(logits)[order]
+        if on_argmax is not None:
+            on_argmax(out, torch.cat(picks)[order])
+        return out
 
     def accepts(self, seqs: Sequence[SeqSpec], plan: LoraPlan | None = None) -> bool:
         """Whether the step is this decoder's: its sequences' new tokens (one a decode;

@@ -164,6 +164,7 @@ class ModelRunner:
             _isa_words(platform),
             f"decodes and short extensions in steps of <= {self.fused.max_batch} rows as one "
             f"native call{self.fused.tiles_words()}"
+            + ("; larger steps as several such calls" if self.fused.splits else "")
             if self.fused
             else f"decode through the model ({why})",
         )
@@ -316,9 +317,12 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs)
         plan = None if self.lora is None else self.lora.plan
-        if self.fused is not None and self.fused.accepts(seqs, plan):
+        if self.fused is not None:
             offer = self.sampler.offer_argmax if self._argmax_wanted else None
-            return self.fused.run(seqs, plan, offer)
+            if self.fused.accepts(seqs, plan):
+                return self.fused.run(seqs, plan, offer)
+            if (calls := self.fused.split(seqs, plan)) is not None:
+                return self.fused.run_split(calls, offer)
         meta = ForwardMeta.build(seqs, self.pool.page_size, "cpu", self.layer_windows, self.softcap)
         if self.device.type != "cpu":
             meta = upload_meta(meta, self.device)  # pinned, non-blocking

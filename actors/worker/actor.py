@@ -61,10 +61,6 @@ class WorkerActor(Actor):
         if cpus:  # before the runner sizes its threads by the CPUs this process may use
             os.sched_setaffinity(0, parse_cpus(cpus[replica_index(self.role) % len(cpus)]))
         self.runner = await self.run_blocking(ModelRunner, self.config.model)
-        fused = self.runner.fused
-        note = fused and fused.budget_note(self.config.scheduler.max_prefill_tokens)
-        if note:
-            log.warning("%s", note)
         self.grammars = GrammarManager(self.config.grammar, self._grammar_setup)
         self.runner.grammars = self.grammars
         self.compiles = 0

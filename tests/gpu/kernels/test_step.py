@@ -228,11 +228,6 @@ def test_extensions_attend_together_over_a_bf16_pool(
     tiles = fused.max_new == FusedDecoder.MAX_NEW
     dots = FusedDecoder.MAX_NEW_DOTS_Q4 if weights == "blocks" else FusedDecoder.MAX_NEW_DOTS
     assert tiles or fused.max_new == dots
-    # a prefill budget past what the tiles' step takes says what it costs (the worker
-    # logs it); where prompts go through the model's forward anyway, nothing to say
-    note = fused.budget_note(2048)
-    assert (note is not None and "512 prompt tokens" in note) if tiles else note is None
-    assert fused.budget_note(512) is None
     pages = list(range(runner.pool.num_pages))
     random.Random(7).shuffle(pages)
     a, b, c = pages[:60], pages[60:80], pages[80:82]
@@ -357,6 +352,65 @@ def test_a_bf16_model_on_tiles_takes_longer_steps_by_default(
     # CLAIM_MIN_ROWS), and a fresh prompt's parts are split by the keys they attend
     fresh = [SeqSpec(LONG[1][300:600], 0, list(range(50, 70)))]
     assert torch.equal(runner.run(fresh), alone.run(fresh))
+
+
+def test_steps_past_one_call_run_as_several_in_order(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """On tiles a step of more rows than one call takes (a prefill budget past 512 tokens
+    a sequence or 640 rows) runs as several calls: each sequence's tokens in chunks of
+    512, each chunk in a later call than the one before, the rest where they fit; the
+    sampled rows come back in the step's order, as the model's forward gives them."""
+    path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
+    path = _block_model(path, tmp_path / "blocks")
+    opts = {"quantization": "gguf", "dtype": "bfloat16"}
+    runner = make_runner(path, **opts)
+    fused = runner.fused
+    assert fused is not None
+    a, b, c, d = list(range(8)), list(range(8, 80)), list(range(80, 100)), list(range(100, 108))
+    runner.run([SeqSpec(PROMPTS[0], 0, a), SeqSpec(PROMPTS[3], 0, d)])
+    step = [
+        SeqSpec([7], len(PROMPTS[0]), a),  # a decode
+        SeqSpec(LONG[0][:1100], 0, b, prompt_len=1100),  # a prompt in three chunks
+        SeqSpec(LONG[1][:300], 0, c, sample=False, prompt_len=600),  # a chunk of a prompt
+        SeqSpec([8], len(PROMPTS[3]), d),  # a decode
+    ]
+    # the calls, whatever this CPU's build: as a decoder on tiles would cut them
+    tiles = fused.splits
+    limits = fused.max_new, fused.max_batch
+    fused.max_new, fused.max_batch = FusedDecoder.MAX_NEW, FusedDecoder.MAX_BATCH_TILES
+    calls = fused.split(step)
+    assert calls is not None
+    shape = [[(i, s.start_pos, len(s.input_ids), s.sample) for i, s in call] for call in calls]
+    assert shape == [
+        [(0, 41, 1, True), (1, 0, 512, False), (3, 33, 1, True)],
+        [(1, 512, 512, False)],
+        [(1, 1024, 76, True), (2, 0, 300, False)],
+    ]
+    assert all(s.prompt_len == step[i].prompt_len for call in calls for i, s in call)
+    assert fused.split(step[:1]) is None  # one call takes it
+    fused.max_new, fused.max_batch = limits
+    if not tiles:
+        assert fused.split(step) is None  # prompts a few rows at a time: the forward's
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    assert make_runner(path, fused_decode_max_batch=64, **opts).fused.split(step) is None  # type: ignore[union-attr]
+    plain = make_runner(path, fused_decode_max_batch=0, **opts)
+    exact = make_runner(path, dtype="float32", fused_decode_max_batch=0, quantization="gguf")
+    by_calls = make_runner(path, **opts)
+    for r in (plain, exact, by_calls):
+        r.run([SeqSpec(PROMPTS[0], 0, a), SeqSpec(PROMPTS[3], 0, d)])
+    offered: list[tuple[torch.Tensor, torch.Tensor]] = []
+    got = fused.run_split(calls, lambda logits, picks: offered.append((logits, picks)))
+    forward, want = plain.run(step), exact.run(step)
+    assert got.shape == want.shape == (3, want.shape[1])
+    err, bound = (got - want).abs().max().item(), (forward - want).abs().max().item()
+    assert err <= 1.5 * bound and bound <= 0.2 * want.abs().max().item(), (err, bound)
+    assert len(offered) == 1 and offered[0][0] is got
+    assert torch.equal(offered[0][1], got.argmax(-1))
+    # the same calls one by one, each a step of its own: the same bits, reordered
+    rows = [by_calls.run([s for _, s in call]) for call in calls]
+    assert torch.equal(got, torch.cat([rows[0][0:1], rows[2][0:1], rows[0][1:2]]))
+    assert by_calls.fused is not None and by_calls.fused.accepts([s for _, s in calls[0]])
 
 
 @pytest.mark.parametrize("weights", ["dense", "blocks"])
