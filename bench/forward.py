@@ -228,8 +228,8 @@ def measure(
                 lambda e, p=prompts: e.decode_s(p, args.decode_steps),
             )
         )
-    for engine in engines.values():
-        engine.prefill_s(ids[:64])  # warm-up
+    for engine in engines.values():  # warm-up: the whole prompt, whose first run grows
+        engine.prefill_s(ids)  # the kernels' scratch and faults in its KV pages
     for key, tokens, run in work:
         for _ in range(args.repeats):
             for name, engine in engines.items():
