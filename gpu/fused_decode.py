@@ -7,8 +7,9 @@ read. ``FusedDecoder`` reads the model's weights once, as descriptors of what it
 linear method left (GGUF blocks, fp16/bf16/fp32 rows), and then serves every step
 whose new tokens fit its rows (decodes; short prompts and short extensions of a cached
 prefix, one row a token) from the step's token ids, positions and page tables alone:
-the model's Python runs once, as a CUDA graph is captured once. Other steps (longer
-prompts, larger batches) take the model's forward.
+the model's Python runs once, as a CUDA graph is captured once. On AMX tiles, where
+one call takes a whole prompt chunk, a larger step runs as several calls (``split``);
+elsewhere other steps (longer prompts, larger batches) take the model's forward.
 
 A model family opts in with ``register_spec(ModelClass, fn)``: ``fn(model)`` returns
 its ``StepWeights`` (kernels/step.py), or None when this instance cannot be fused
