@@ -299,7 +299,7 @@ def _moe_fields(moe: MoEWeights, made: tuple[Any, ...], bf16: bool) -> tuple[Any
 
 
 # Rows of a cascade chunk read their shared pages together: at most this many query rows
-# (cpu_step.c's CASCADE_ROWS), so 5 sequences of the default model's 3 heads a KV head.
+# (step_attention.h's CASCADE_ROWS), so 5 sequences of the default model's 3 heads a KV head.
 CASCADE_ROWS = 16
 
 

@@ -1,0 +1,243 @@
+/* The fused step's attention, for each layer's (sequence, KV head) tasks: how the team
+ * shares them, a decode row over its pages (attend.h), a sequence's rows together on bf16
+ * products (flash.h), and cascade attention over pages several rows share. Included by
+ * cpu_step.c after its model types, row helpers and the team's share(), which it uses.
+ */
+#ifndef ACTORLM_STEP_ATTENTION_H
+#define ACTORLM_STEP_ATTENTION_H
+
+/* The attention tasks [lo, hi) of thread t among nt: task b * Hkv + h is sequence b's KV
+   head h, the ranges contiguous and of about equal cost, a task's tokens attended to
+   (those after skip[b], when skip) plus ATT_TASK_BASE (its RoPE, KV store and set-up).
+   A task goes to the thread its middle falls in. share() by count would give one thread
+   the batch's long contexts where they sit together (the oldest requests). */
+#define ATT_TASK_BASE 32
+static void share_tasks(const int64_t *seq_lens, const int64_t *skip, int64_t B, int64_t Hkv,
+                        int t, int nt, int64_t *lo, int64_t *hi) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++)
+        total += (seq_lens[b] - (skip ? skip[b] : 0) + ATT_TASK_BASE) * Hkv;
+    const int64_t from = total * t / nt, to = total * (t + 1) / nt;
+    int64_t cum = 0;
+    *lo = *hi = B * Hkv;
+    for (int64_t i = 0, found = 0; i < B * Hkv; i++) {
+        const int64_t b = i / Hkv, c = seq_lens[b] - (skip ? skip[b] : 0) + ATT_TASK_BASE;
+        const int64_t mid = cum + c / 2;
+        if (!found && mid >= from) *lo = i, found = 1;
+        if (mid >= to) {
+            *hi = i;
+            break;
+        }
+        cum += c;
+    }
+}
+
+/* Layer l's K (kv 0) or V (kv 1) pages of KV head h: [num_pages, page_size, head_dim] */
+static inline char *kv_head(const model_t *M, int64_t l, int kv, int64_t h) {
+    const int64_t head_elems = M->num_pages * M->page_size * M->head_dim;
+    return (char *)M->kv + ((l * 2 + kv) * M->kv_heads + h) * head_elems * (M->kv_bf16 ? 2 : 4);
+}
+
+/* attend_kv over bf16 or fp32 pages (kh, vh: one KV head's), each dtype its own
+   instantiation */
+static void attend_pages(int64_t kv_bf16, const float *q, const void *kh, const void *vh,
+                         const int64_t *pages, int64_t len, int64_t rows, int64_t D,
+                         int64_t page_size, float scale, int64_t start, float cap, float *scores,
+                         float *acc, float *out, float *ml) {
+    if (kv_bf16)
+        attend_kv(1, q, kh, vh, pages, len, rows, D, page_size, scale, start, cap, scores, acc, out, ml);
+    else
+        attend_kv(0, q, kh, vh, pages, len, rows, D, page_size, scale, start, cap, scores, acc, out, ml);
+}
+
+/* `rows` query rows q [rows, D] (rotated) over `len` tokens of `pages` in KV head h of
+   layer l: one sequence's G heads, or the rows of several sequences over the pages they
+   share (cascade). ml: NULL, or the parts' merge (attend_kv). */
+static void attend_rows(const model_t *M, int64_t l, int64_t h, const float *q, int64_t rows,
+                        const int64_t *pages, int64_t len, float *scores, float *acc, float *out,
+                        float *ml) {
+    const int64_t W = M->layers[l].window, ps = M->page_size;
+    int64_t start = 0;
+    if (W > 0 && len > W) { /* the window's keys: from its first page, those before masked */
+        const int64_t first = len - W;
+        pages += first / ps;
+        len -= first / ps * ps;
+        start = first % ps;
+    }
+    attend_pages(M->kv_bf16, q, kv_head(M, l, 0, h), kv_head(M, l, 1, h), pages, len, rows,
+                 M->head_dim, ps, (float)M->scale, start, (float)M->softcap, scores, acc, out, ml);
+}
+
+/* The G query heads of KV head h (rotated, in qkv's row b) over seq_len tokens */
+static void attend_task(const model_t *M, int64_t l, int64_t b, int64_t h, const float *qkv,
+                        int64_t qkv_n, const int64_t *pages, int64_t seq_len, float *scores,
+                        float *acc, float *out) {
+    const int64_t G = M->heads / M->kv_heads;
+    attend_rows(M, l, h, qkv + b * qkv_n + h * G * M->head_dim, G, pages, seq_len, scores, acc,
+                out, NULL);
+}
+
+/* Sequence b's KV head h in layer l: rotate its q heads and k, store k and v at the new
+   token's slot, then (out not NULL) attend over seq_len tokens, or with `skip` > 0 over
+   those after its first `skip` (pages it shares with other rows: a part, into out and
+   ml, that the shared part is merged with later). */
+static void attention_task(const model_t *M, int64_t l, int64_t b, int64_t h, float *qkv,
+                           int64_t qkv_n, const float *cos_t, const float *sin_t, int64_t slot,
+                           const int64_t *pages, int64_t seq_len, float *scores, float *acc,
+                           float *out, int64_t skip, float *ml) {
+    const int64_t D = M->head_dim, G = M->heads / M->kv_heads, half = M->rot_half;
+    const int64_t H = M->heads, Hkv = M->kv_heads;
+    float *row = qkv + b * qkv_n;
+    float *q = row + h * G * D, *k = row + (H + h) * D, *v = row + (H + Hkv + h) * D;
+    const float *c = cos_t + b * half, *s = sin_t + b * half;
+    const layer_t *L = &M->layers[l];
+    if (L->q_norm) { /* in place, a head a row */
+        norm_rows(q, L->q_norm, q, G, D, (float)M->eps);
+        norm_rows(k, L->k_norm, k, 1, D, (float)M->eps);
+    }
+    for (int64_t g = 0; g < G; g++) rope_head(q + g * D, c, s, half);
+    rope_head(k, c, s, half);
+    const int64_t esize = M->kv_bf16 ? 2 : 4;
+    store_row(kv_head(M, l, 0, h) + slot * D * esize, (int)M->kv_bf16, k, D);
+    store_row(kv_head(M, l, 1, h) + slot * D * esize, (int)M->kv_bf16, v, D);
+    if (out == NULL) return;
+    if (skip)
+        attend_rows(M, l, h, q, G, pages + skip / M->page_size, seq_len - skip, scores, acc, out, ml);
+    else
+        attend_task(M, l, b, h, qkv, qkv_n, pages, seq_len, scores, acc, out);
+}
+
+/* Query rows a cascade chunk attends with at once: the AMX and dot-product paths'
+   widest (attend_amx.h, attend_dp.h) */
+#define CASCADE_ROWS 16
+
+/* One cascade chunk of KV head kh / vh: the G query heads of sequences rows[0 .. n)
+   (row b's at q + b * qs, rotated) over the `shared` tokens of `pages` they all begin
+   with, gathered into cq and attended at once into co and cml, then merged into each
+   row's own part (its output at out + b * os, its ml at ml + b * ms) as its output. */
+static void cascade_rows(int64_t kv_bf16, const void *kh, const void *vh, const float *q,
+                         int64_t qs, const int64_t *rows, int64_t n, const int64_t *pages,
+                         int64_t shared, int64_t G, int64_t D, int64_t page_size, float scale,
+                         float cap, float *scores, float *acc, float *cq, float *co, float *cml,
+                         float *out, int64_t os, float *ml, int64_t ms) {
+    const int64_t GD = G * D;
+    for (int64_t j = 0; j < n; j++)
+        memcpy(cq + j * GD, q + rows[j] * qs, sizeof(float) * (size_t)GD);
+    attend_pages(kv_bf16, cq, kh, vh, pages, shared, n * G, D, page_size, scale, 0, cap, scores,
+                 acc, co, cml);
+    for (int64_t j = 0; j < n; j++) {
+        float *o = out + rows[j] * os;
+        att_merge(o, ml + rows[j] * ms, co + j * GD, cml + j * G * 2, G, D, o);
+    }
+}
+
+/* Whether the cascade's arguments are what the kernels assume (kernels/step.py's
+   Cascade makes them so): chunks of at most `most` query rows, each row's shared tokens
+   whole pages before its last token, the same for a chunk's rows. */
+static int cascade_ok(const int64_t *row_shared, const int64_t *chunk_ptr,
+                      const int64_t *chunk_rows, int64_t n_chunks, const int64_t *seq_lens,
+                      int64_t B, int64_t G, int64_t most, int64_t page_size) {
+    for (int64_t i = 0; i < n_chunks; i++) {
+        const int64_t n = chunk_ptr[i + 1] - chunk_ptr[i], *rows = chunk_rows + chunk_ptr[i];
+        if (n < 1 || n * G > most) return 0;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t b = rows[j], shared = b >= 0 && b < B ? row_shared[b] : -1;
+            if (shared <= 0 || shared % page_size || shared >= seq_lens[b] ||
+                shared != row_shared[rows[0]])
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* The fused step's cascade chunk i (chunk_rows[chunk_ptr[i] ..]) in KV head h of layer l */
+static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qkv, int64_t qkv_n,
+                         const int64_t *rows, int64_t n, const int64_t *pages, int64_t shared,
+                         float *scores, float *acc, float *cq, float *co, float *cml, float *attn,
+                         float *ml_rows) {
+    const int64_t D = M->head_dim, H = M->heads, G = H / M->kv_heads;
+    cascade_rows(M->kv_bf16, kv_head(M, l, 0, h), kv_head(M, l, 1, h), qkv + h * G * D, qkv_n,
+                 rows, n, pages, shared, G, D, M->page_size, (float)M->scale, (float)M->softcap,
+                 scores, acc, cq, co, cml, attn + h * G * D, H * D, ml_rows + h * G * 2, H * 2);
+}
+
+#if defined(__AVX512BF16__)
+/* Fewer rows of a sequence attend a row at a time: the packing of K and V costs more
+   than their re-reads (AMX: 2 / 4 new tokens over 1,104 cached: 10.4 / 11.8 ms a step
+   on tiles, 8.6 / 10.9 a row at a time; level at 8) */
+#define FLASH_MIN_ROWS 8
+
+/* A sequence of this many rows or more attends in a part per thread: at the default
+   model's 3 KV heads and 2 threads a sequence alone left a thread idle a third of the
+   time (56 rows over 1,104 cached tokens) */
+#define FLASH_SPLIT_ROWS 32
+
+/* The parts sequence i's rows (it ends at row head_rows[i]) attend in, over nt threads */
+static inline int64_t seq_parts(const int64_t *head_rows, int64_t i, int nt) {
+    const int64_t n = head_rows[i] + 1 - (i ? head_rows[i - 1] + 1 : 0);
+    return n >= FLASH_SPLIT_ROWS ? nt : 1;
+}
+
+/* A tile of 16 of a sequence's n new rows (the first at position `start`) costs the keys
+   its last row sees, and TILE_KEYS more for its own work (its queries, its output) */
+#define TILE_KEYS 64
+static inline int64_t tile_cost(int64_t n, int64_t start, int64_t t) {
+    return TILE_KEYS + start + (16 * (t + 1) < n ? 16 * (t + 1) : n);
+}
+
+/* Where part `part` of `parts` of a sequence's n new rows begins: at the tile boundary
+   nearest an equal share of the tiles' costs. A fresh prompt's later rows see more
+   keys, so they go in shorter parts: halves by count left the second thread ~2.6x the
+   first's work on a 256-token prompt. A row's sums do not depend on its tile's others. */
+static int64_t part_row(int64_t n, int64_t start, int64_t part, int64_t parts) {
+    if (part <= 0) return 0;
+    if (part >= parts) return n;
+    const int64_t tiles = (n + 15) / 16;
+    int64_t total = 0, done = 0;
+    for (int64_t t = 0; t < tiles; t++) total += tile_cost(n, start, t);
+    const int64_t target = total * part / parts;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t next = done + tile_cost(n, start, t);
+        if (next > target) {
+            const int64_t row = 16 * (target - done < next - target ? t : t + 1);
+            return row < n ? row : n;
+        }
+        done = next;
+    }
+    return n;
+}
+
+/* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
+   over a bf16 pool, on bf16 products as prompts run (flash.h): K and V are read once a
+   block for all the rows, where attend_task reads them once a row (q rounded to bf16
+   as flash.h gathers it). o16: the thread's scratch of n * G * D; the outputs into attn
+   (fp32, or NULL) and attn_b (bf16, or NULL), rows H * D apart. 0, or -1 (nothing
+   written: no scratch). */
+static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
+                      const float *qkv, int64_t qkv_n, const int64_t *pages, int64_t start,
+                      uint16_t *o16, float *attn, uint16_t *attn_b) {
+    const int64_t D = M->head_dim, G = M->heads / M->kv_heads;
+    const int64_t GD = G * D, HD = M->heads * D;
+    fa_scratch sc;
+    char *buf = grow_buffer(&fa_buf, &fa_buf_bytes, fa_carve(NULL, G, D, &sc));
+    if (buf == NULL) return -1;
+    fa_carve(buf, G, D, &sc);
+    const uint16_t *kh = (const uint16_t *)kv_head(M, l, 0, h);
+    const uint16_t *vh = (const uint16_t *)kv_head(M, l, 1, h);
+    const int tiles = fa_tiles(D);
+    fa_tiles_on(tiles);
+    for (int64_t t0 = 0; t0 < n; t0 += FA_QB)
+        fa_task(qkv + r0 * qkv_n + h * GD, 1, qkv_n, kh, vh, pages, start, t0,
+                t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D, M->page_size, (float)M->scale,
+                M->layers[l].window, (float)M->softcap, o16, GD, &sc, tiles);
+    fa_tiles_off(tiles);
+    for (int64_t t = 0; t < n; t++) {
+        float *o = attn ? attn + (r0 + t) * HD + h * GD : NULL; /* NULL: bf16 alone */
+        for (int64_t j = 0; o && j < GD; j++) o[j] = bf16_f32(o16[t * GD + j]);
+        if (attn_b) memcpy(attn_b + (r0 + t) * HD + h * GD, o16 + t * GD, (size_t)GD * 2);
+    }
+    return 0;
+}
+#endif
+
+#endif
