@@ -2,8 +2,10 @@
 in the same run (and beside transformers on the same weights).
 
 Prefill: one prompt of --prompt-len tokens. Decode: B sequences with a cached
-context of --context-len tokens each, then --decode-steps steps of one token per
-sequence (greedy). One actorlm column per (dtype, linear method). Beside each figure:
+context of --context-len tokens each, then --warmup-steps untimed and --decode-steps
+timed steps of one token per sequence (greedy): the steady state. The first steps after
+a prompt (or after idling) read weights the prompt's pass pushed out of the last-level
+cache, at DRAM speed, and run up to ~1.5x slower (bench/README.md). One actorlm column per (dtype, linear method). Beside each figure:
 
 - decode: the bytes a step must read (the weights as the step's path keeps them, and
   the KV it attends to) over the measured read bandwidth, as tok/s;
@@ -64,6 +66,9 @@ def parse_args() -> argparse.Namespace:
         "--context-len", type=int, default=128, help="cached tokens per sequence before decoding"
     )
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
+    p.add_argument(
+        "--warmup-steps", type=int, default=8, help="untimed decode steps before the timed ones"
+    )
     p.add_argument(
         "--repeats", type=int, default=2, help="runs of each workload per engine (best reported)"
     )
@@ -139,9 +144,9 @@ class Ours:
         self._forward([], release=["p"])
         return dt
 
-    def decode_s(self, prompts: list[list[int]], steps: int) -> float:
+    def decode_s(self, prompts: list[list[int]], steps: int, warmup: int) -> float:
         ps = self.runner.info.page_size
-        per_seq = -(-(len(prompts[0]) + steps + 1) // ps)
+        per_seq = -(-(len(prompts[0]) + warmup + steps + 1) // ps)
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
         rids = [f"d{i}" for i in range(len(prompts))]
         first = [
@@ -156,8 +161,9 @@ class Ours:
                 [SeqStep(r, [tok], pos, t) for r, tok, t in zip(rids, tokens, tables, strict=True)]
             )
 
-        tokens = step()  # one untimed decode step warms the decode path
-        pos += 1
+        for _ in range(warmup):
+            tokens = step()
+            pos += 1
         t0 = time.perf_counter()
         for _ in range(steps):
             tokens = step()
@@ -196,12 +202,13 @@ class Transformers:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
-    def decode_s(self, prompts: list[list[int]], steps: int) -> float:
+    def decode_s(self, prompts: list[list[int]], steps: int, warmup: int) -> float:
         cache = self._cache()
         out = self.model(input_ids=torch.tensor(prompts), use_cache=True, **cache)
         tokens = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-        out = self.model(input_ids=tokens, use_cache=True, **cache)
-        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(warmup):
+            out = self.model(input_ids=tokens, use_cache=True, **cache)
+            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
         t0 = time.perf_counter()
         for _ in range(steps):
             out = self.model(input_ids=tokens, use_cache=True, **cache)
@@ -225,7 +232,7 @@ def measure(
             (
                 f"decode b={b}",
                 b * args.decode_steps,
-                lambda e, p=prompts: e.decode_s(p, args.decode_steps),
+                lambda e, p=prompts: e.decode_s(p, args.decode_steps, args.warmup_steps),
             )
         )
     for engine in engines.values():  # warm-up: the whole prompt, whose first run grows
@@ -248,7 +255,7 @@ def limits_of(runner: ModelRunner, args: argparse.Namespace, lim: Limits) -> dic
         flops / lim.gemm(kind, runner, args.prompt_len)
     )
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        context = args.context_len + 1 + args.decode_steps // 2  # the timed steps' mean
+        context = args.context_len + args.warmup_steps + args.decode_steps // 2  # timed mean
         nbytes = decode_bytes(runner, b, context)
         out[f"decode b={b}"] = b / (nbytes / lim.bandwidth)
     return out
@@ -262,7 +269,7 @@ def main() -> None:
     path = model_path(ModelConfig(path=args.model))
     max_b = max(int(x) for x in args.batch_sizes.split(","))
     pages = (
-        max_b * (-(-(args.context_len + args.decode_steps + 2) // 16) + 1)
+        max_b * (-(-(args.context_len + args.warmup_steps + args.decode_steps + 2) // 16) + 1)
         + args.prompt_len // 16
         + 1
     )
