@@ -41,6 +41,9 @@
  * shares) may attend in a cascade: each row over its own tokens first, then, after one
  * more barrier, a chunk of rows at once over the shared pages (attend.h's rows are then
  * several sequences' query heads), the two parts of each softmax merged (att_merge).
+ * A step of few (sequence, KV head) tasks over long contexts (a lone decode of the
+ * default model) stores every row's k and v first, then attends each context in parts
+ * of its keys that the threads claim, merged after one more barrier (att_merge_parts).
  */
 #include <math.h>
 #include <omp.h>
@@ -98,6 +101,7 @@ typedef struct {
     double softcap;       /* scores cap * tanh(s / cap) before the softmax, or 0 (Gemma 2) */
     double final_softcap; /* the logits likewise, or 0 (Gemma 2) */
     int64_t act_gelu;     /* the MLP's gate through tanh-GELU, not SiLU (Gemma) */
+    int64_t split_keys;   /* decodes of few tasks attend long contexts in parts (1), or not */
 } model_t;
 
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_N };
@@ -402,34 +406,46 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
 #if defined(__AVX512BF16__)
     /* rows of one sequence over a bf16 pool attend together, as prompts do */
     const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
+#else
+    const int flash = 0;
 #endif
     if (R > LORA_MAX_RANK) return -1;
     const int64_t most = G < CASCADE_ROWS ? CASCADE_ROWS : G;
     if (store_first || windowed ||
         !cascade_ok(row_shared, chunk_ptr, chunk_rows, n_chunks, seq_lens, B, G, most, M->page_size))
         n_chunks = 0;
+    /* decodes of few (sequence, KV head) tasks: long contexts in parts of their keys, the
+       step's (sequence, KV head, part) tasks n_parts (0: none; step_attention.h) */
+    int64_t n_parts = 0, long_ones = 0;
+    if (M->split_keys && !store_first && !n_chunks && !windowed)
+        for (int64_t b = 0; b < B; b++) {
+            n_parts += Hkv * att_parts(seq_lens[b], B * Hkv);
+            long_ones += att_parts(seq_lens[b], B * Hkv) > 1;
+        }
+    if (!long_ones) n_parts = 0;
     /* query rows an attention call takes at most: a sequence's G, or a cascade chunk's */
     const int64_t SG = n_chunks ? most : G;
     /* shared between the threads: each phase's output (and the adapters' shrinks), then
        each thread's pick of each row over its columns */
-    const size_t floats = (size_t)(B * (qkv_n + H * D + Hd + I + 5 * R + 2 * H) + 1) / 2 * 2;
+    const size_t floats =
+        (size_t)(B * (qkv_n + H * D + Hd + I + 5 * R + 2 * H) + n_parts * G * (D + 2) + 1) / 2 * 2;
     float *shared = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(threads * n_head));
     if (shared == NULL) return -1;
     int64_t *part_picks = (int64_t *)(shared + floats);
     float *qkv = shared, *attn = qkv + B * qkv_n, *lin_out = attn + B * H * D, *act = lin_out + B * Hd;
     float *u_qkv = act + B * I, *u_o = u_qkv + B * 3 * R, *u_down = u_o + B * R;
     float *ml_rows = u_down + B * R; /* [B, H, 2]: each row's own part, cascade rows */
+    float *part_o = ml_rows + B * H * 2, *part_ml = part_o + n_parts * G * D; /* the parts' */
     int failed = 0;
     team_t team = {0};
     /* a counter a (layer, linear) of the claimed columns (NULL: fixed halves), and a
-       counter a layer of the claimed attention tasks where sequences attend together */
+       counter a layer of the claimed attention tasks where sequences attend together or
+       contexts in parts */
     _Atomic int64_t *claims = NULL, *att_next = NULL;
-#if defined(__AVX512BF16__)
-    if (flash && (att_next = calloc((size_t)M->num_layers, sizeof *att_next)) == NULL) {
+    if ((flash || n_parts) && (att_next = calloc((size_t)M->num_layers, sizeof *att_next)) == NULL) {
         free(shared);
         return -1;
     }
-#endif
     /* with claims, the residual rows, their norms and the bf16 copies the tiles read
        are the team's too, each thread making its share of the rows between two
        barriers, not every thread all of them (every thread adding, normalizing and
@@ -561,7 +577,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                lengths; with store_first the first ones only rotate and store, alike */
             int64_t c0, c1, lo, hi, att_lo, att_hi, rot_lo, rot_hi;
             share_tasks(seq_lens, n_chunks ? row_shared : NULL, B, Hkv, t, nt, &att_lo, &att_hi);
-            if (store_first)
+            if (store_first || n_parts)
                 share(B * Hkv, t, nt, &rot_lo, &rot_hi);
             else
                 rot_lo = att_lo, rot_hi = att_hi;
@@ -594,7 +610,7 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                     const int64_t skip = n_chunks ? row_shared[b] : 0;
                     attention_task(M, l, b, h, qkv, qkv_n, lcos, lsin, slots[b],
                                    pages + b * table_stride, seq_lens[b], scores, acc,
-                                   store_first ? NULL : attn + b * H * D + h * G * D, skip,
+                                   store_first || n_parts ? NULL : attn + b * H * D + h * G * D, skip,
                                    ml_rows + (b * H + h * G) * 2);
                 }
                 if (n_chunks) { /* every row's own part is in: the shared parts, merged */
@@ -607,6 +623,16 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                                      pages + rows[0] * table_stride, row_shared[rows[0]], scores,
                                      acc, cq, co, cml, attn, ml_rows);
                     }
+                }
+                if (n_parts) { /* every row's key is in the pool: the parts, claimed */
+                    team_wait(&team, nt, &phase);
+                    for (int64_t k; (k = atomic_fetch_add_explicit(att_next + l, 1, memory_order_relaxed)) < n_parts;)
+                        att_part_task(M, l, k, B, qkv, qkv_n, pages, table_stride, seq_lens, scores, acc,
+                                      part_o, part_ml, attn);
+                    team_wait(&team, nt, &phase);
+                    share(B * Hkv, t, nt, &lo, &hi);
+                    for (int64_t task = lo; task < hi; task++)
+                        att_merge_task(M, task / Hkv, task % Hkv, B, seq_lens, part_o, part_ml, attn);
                 }
                 if (store_first) { /* every row's key is in the pool: now they attend */
                     team_wait(&team, nt, &phase);

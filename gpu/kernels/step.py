@@ -84,6 +84,7 @@ class _Model(ctypes.Structure):
         ("softcap", ctypes.c_double),
         ("final_softcap", ctypes.c_double),
         ("act_gelu", _I),
+        ("split_keys", _I),
     ]
 
 
@@ -478,6 +479,7 @@ class DecodeStep:
             softcap=weights.softcap,
             final_softcap=weights.final_softcap,
             act_gelu=int(weights.act == "gelu_tanh"),
+            split_keys=1,
         )
 
     def set_lora(self, descs: list[LoraDesc], max_rank: int) -> None:
@@ -494,6 +496,17 @@ class DecodeStep:
     @property
     def has_lora(self) -> bool:
         return bool(self._model.lora)
+
+    @property
+    def split_keys(self) -> bool:
+        """Whether a decode step of few (sequence, KV head) tasks attends over each long
+        context in parts of its keys that any thread takes (step_attention.h); False: each
+        task one thread's, over its whole context."""
+        return bool(self._model.split_keys)
+
+    @split_keys.setter
+    def split_keys(self, on: bool) -> None:
+        self._model.split_keys = int(on)
 
     def __call__(
         self,

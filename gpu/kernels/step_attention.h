@@ -1,6 +1,7 @@
 /* The fused step's attention, for each layer's (sequence, KV head) tasks: how the team
- * shares them, a decode row over its pages (attend.h), a sequence's rows together on bf16
- * products (flash.h), and cascade attention over pages several rows share. Included by
+ * shares them, a decode row over its pages (attend.h), long contexts of few such tasks in
+ * parts of their keys, a sequence's rows together on bf16 products (flash.h), and cascade
+ * attention over pages several rows share. Included by
  * cpu_step.c after its model types, row helpers and the team's share(), which it uses.
  */
 #ifndef ACTORLM_STEP_ATTENTION_H
@@ -159,6 +160,93 @@ static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qk
     cascade_rows(M->kv_bf16, kv_head(M, l, 0, h), kv_head(M, l, 1, h), qkv + h * G * D, qkv_n,
                  rows, n, pages, shared, G, D, M->page_size, (float)M->scale, (float)M->softcap,
                  scores, acc, cq, co, cml, attn + h * G * D, H * D, ml_rows + h * G * 2, H * 2);
+}
+
+/* A decode step of few (sequence, KV head) tasks left threads idle while the others
+   attended: the default model's 3 KV heads on 2 threads gave one thread two. A step of
+   fewer than ATT_SPLIT_TASKS such tasks splits each long context's keys into parts of
+   whole pages, enough for about ATT_SPLIT_TASKS tasks in all but ATT_PART_KEYS keys or
+   more each, that the threads claim one at a time, then merges each task's parts in
+   order. The parts follow the batch alone, so the bits do not depend on the threads
+   (the team's size changes as it is measured). Every part costs a call (~1 us): 2 parts
+   each of two decodes' 3 KV heads, whose tasks the 2 threads shared evenly already, ran
+   3-9% slower over 1,100-3,000 tokens (2-core AMX Xeon). */
+#define ATT_SPLIT_TASKS 6
+#define ATT_PART_KEYS 512
+
+/* The parts of a context of len tokens in a step of `tasks` (sequence, KV head) tasks */
+static inline int64_t att_parts(int64_t len, int64_t tasks) {
+    if (tasks >= ATT_SPLIT_TASKS) return 1;
+    const int64_t want = (ATT_SPLIT_TASKS + tasks - 1) / tasks, most = len / ATT_PART_KEYS;
+    const int64_t p = want < most ? want : most;
+    return p < 2 ? 1 : p;
+}
+
+/* The tokens [*a, *c) of part j of a context of len tokens in `parts`; *a a page's first */
+static inline void att_part_range(int64_t len, int64_t page_size, int64_t j, int64_t parts,
+                                  int64_t *a, int64_t *c) {
+    const int64_t np = (len + page_size - 1) / page_size;
+    const int64_t e = np * (j + 1) / parts * page_size;
+    *a = np * j / parts * page_size;
+    *c = e < len ? e : len;
+}
+
+/* out [G, D] = the softmax over a context's keys from its `parts` parts' unnormalised
+   sums (part j's at o + j * G * D) and ml (attend_kv's, at ml + j * 2 * G), merged in
+   order */
+static void att_merge_parts(const float *o, const float *ml, int64_t parts, int64_t G,
+                            int64_t D, float *out) {
+    for (int64_t g = 0; g < G; g++) {
+        float m = ml[2 * g], sum = 0.f, w[ATT_SPLIT_TASKS];
+        for (int64_t j = 1; j < parts; j++) m = ml[j * 2 * G + 2 * g] > m ? ml[j * 2 * G + 2 * g] : m;
+        for (int64_t j = 0; j < parts; j++) {
+            w[j] = expf(ml[j * 2 * G + 2 * g] - m);
+            sum += ml[j * 2 * G + 2 * g + 1] * w[j];
+        }
+        for (int64_t j = 0; j < parts; j++) w[j] /= sum;
+        for (int64_t d = 0; d < D; d++) {
+            float v = 0.f;
+            for (int64_t j = 0; j < parts; j++) v += o[(j * G + g) * D + d] * w[j];
+            out[g * D + d] = v;
+        }
+    }
+}
+
+/* Task k of the n_parts (sequence, KV head, part) tasks of a step of B sequences
+   (sequence b's Hkv * att_parts in order, a head's parts together) in layer l: a part
+   into its place in part_o and part_ml, or a context of one part straight into attn */
+static void att_part_task(const model_t *M, int64_t l, int64_t k, int64_t B, const float *qkv,
+                          int64_t qkv_n, const int64_t *pages, int64_t table_stride,
+                          const int64_t *seq_lens, float *scores, float *acc, float *part_o,
+                          float *part_ml, float *attn) {
+    const int64_t D = M->head_dim, H = M->heads, Hkv = M->kv_heads, G = H / Hkv;
+    int64_t b = 0, first = 0;
+    while (first + Hkv * att_parts(seq_lens[b], B * Hkv) <= k)
+        first += Hkv * att_parts(seq_lens[b++], B * Hkv);
+    const int64_t parts = att_parts(seq_lens[b], B * Hkv);
+    const int64_t h = (k - first) / parts, j = (k - first) % parts;
+    const int64_t *table = pages + b * table_stride;
+    if (parts == 1) {
+        attend_task(M, l, b, h, qkv, qkv_n, table, seq_lens[b], scores, acc, attn + b * H * D + h * G * D);
+        return;
+    }
+    int64_t a, c;
+    att_part_range(seq_lens[b], M->page_size, j, parts, &a, &c);
+    attend_rows(M, l, h, qkv + b * qkv_n + h * G * D, G, table + a / M->page_size, c - a, scores,
+                acc, part_o + k * G * D, part_ml + k * 2 * G);
+}
+
+/* Sequence b's KV head h (of B sequences): its parts merged into attn (nothing where it
+   had one part) */
+static void att_merge_task(const model_t *M, int64_t b, int64_t h, int64_t B,
+                           const int64_t *seq_lens, const float *part_o, const float *part_ml,
+                           float *attn) {
+    const int64_t D = M->head_dim, H = M->heads, Hkv = M->kv_heads, G = H / Hkv;
+    const int64_t parts = att_parts(seq_lens[b], B * Hkv);
+    if (parts == 1) return;
+    int64_t k = h * parts;
+    for (int64_t i = 0; i < b; i++) k += Hkv * att_parts(seq_lens[i], B * Hkv);
+    att_merge_parts(part_o + k * G * D, part_ml + k * 2 * G, parts, G, D, attn + b * H * D + h * G * D);
 }
 
 #if defined(__AVX512BF16__)

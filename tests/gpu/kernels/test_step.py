@@ -128,6 +128,67 @@ def test_long_contexts(tiny_llama: Path) -> None:
     assert_fused_matches_model(tiny_llama, prompts=LONG[:1], steps=2)
 
 
+# contexts a decode step splits into parts of their keys (step_attention.h: in steps of
+# fewer than 6 (sequence, KV head) tasks, about 6 tasks in all, 512 keys or more a part)
+SPLIT = [[(11 * j) % 997 + 1 for j in range(4200)], [(3 * j) % 800 + 2 for j in range(1700)]]
+SPLIT_TABLES = [list(range(265)), list(range(270, 380))]
+SPLIT_STEPS = [  # a decode of the first alone, then one of both
+    [SeqSpec([7], 4200, SPLIT_TABLES[0])],
+    [SeqSpec([8], 4201, SPLIT_TABLES[0]), SeqSpec([9], 1700, SPLIT_TABLES[1])],
+]
+
+
+def split_prefill(runner: ModelRunner) -> None:
+    runner.run([SeqSpec(p, 0, t) for p, t in zip(SPLIT, SPLIT_TABLES, strict=True)])
+
+
+def split_steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """SPLIT prefilled, then SPLIT_STEPS: each step's logits."""
+    split_prefill(runner)
+    return [runner.run(step) for step in SPLIT_STEPS]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_contexts_of_few_tasks_attend_in_parts(
+    tiny_model_factory: Callable[..., Path], dtype: str
+) -> None:
+    """A decode step of few (sequence, KV head) tasks splits each long context's keys into
+    parts that any thread takes, then merges each task's parts: a context of 4,200 tokens
+    alone (2 KV heads: 3 parts each) and beside one of 1,700 (2 parts each) give what
+    whole contexts give (only the sums' order differs: fp32 within TOL, bf16 within its
+    output's rounding; fp32 also as the model's own forward attends them), with the
+    same bits on 1 and 3 threads."""
+    wide = {"hidden_size": 256} if dtype == "bfloat16" else {}  # 4 heads of 64
+    path = tiny_model_factory("llama", max_position_embeddings=4400, **wide)
+    opts: dict[str, object] = {"dtype": dtype, "num_pages": 400}
+    runner = make_runner(path, **opts)
+    fused = runner.fused
+    assert fused is not None
+    split_prefill(runner)
+    for i, step in enumerate(SPLIT_STEPS):
+        assert fused.accepts(step)
+        before = runner.pool.kv.clone()
+        fused.step.split_keys = False
+        whole = runner.run(step)
+        runner.pool.kv.copy_(before)
+        fused.step.split_keys = True
+        parts = runner.run(step)
+        tol = TOL if dtype == "float32" else 0.01 * whole.abs().max().item()
+        assert (parts - whole).abs().max().item() < tol, i
+    if dtype == "float32":
+        plain = make_runner(path, fused_decode_max_batch=0, **opts)
+        for got, want in zip(
+            split_steps(make_runner(path, **opts)), split_steps(plain), strict=True
+        ):
+            assert (got - want).abs().max().item() < TOL
+    before_threads = torch.get_num_threads()
+    try:
+        out = [split_steps(make_runner(path, num_threads=n, **opts)) for n in (1, 3)]
+    finally:
+        torch.set_num_threads(before_threads)
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
 def fused_and_plain(path: Path, seed: int) -> tuple[ModelRunner, ModelRunner, list[list[int]]]:
     """A runner with the fused step and one without, and three tables of 8 pages."""
     fused = make_runner(path)
