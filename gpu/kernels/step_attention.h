@@ -168,9 +168,9 @@ static void cascade_task(const model_t *M, int64_t l, int64_t h, const float *qk
    whole pages, enough for about ATT_SPLIT_TASKS tasks in all but ATT_PART_KEYS keys or
    more each, that the threads claim one at a time, then merges each task's parts in
    order. The parts follow the batch alone, so the bits do not depend on the threads
-   (the team's size changes as it is measured). Every part costs a call (~1 us): 2 parts
-   each of two decodes' 3 KV heads, whose tasks the 2 threads shared evenly already, ran
-   3-9% slower over 1,100-3,000 tokens (2-core AMX Xeon). */
+   (the team's size changes as it is measured). Every part costs a call (~1 us): two
+   decodes' 6 tasks, which 2 threads share evenly already, ran 3-9% slower in 2-5 parts
+   each over 1,100-3,000 tokens (2-core AMX Xeon). */
 #define ATT_SPLIT_TASKS 6
 #define ATT_PART_KEYS 512
 
