@@ -138,6 +138,19 @@ SPLIT_STEPS = [  # a decode of the first alone, then one of both
 ]
 
 
+def both_ways(runner: ModelRunner, step: list[SeqSpec], switch: str) -> list[torch.Tensor]:
+    """``step``'s logits with the fused step's ``switch`` off, then on, from one pool."""
+    fused = runner.fused
+    assert fused is not None and fused.accepts(step)
+    before = runner.pool.kv.clone()
+    out = []
+    for on in (False, True):
+        runner.pool.kv.copy_(before)
+        setattr(fused.step, switch, on)
+        out.append(runner.run(step))
+    return out
+
+
 def split_prefill(runner: ModelRunner) -> None:
     runner.run([SeqSpec(p, 0, t) for p, t in zip(SPLIT, SPLIT_TABLES, strict=True)])
 
@@ -162,17 +175,9 @@ def test_long_contexts_of_few_tasks_attend_in_parts(
     path = tiny_model_factory("llama", max_position_embeddings=4400, **wide)
     opts: dict[str, object] = {"dtype": dtype, "num_pages": 400}
     runner = make_runner(path, **opts)
-    fused = runner.fused
-    assert fused is not None
     split_prefill(runner)
     for i, step in enumerate(SPLIT_STEPS):
-        assert fused.accepts(step)
-        before = runner.pool.kv.clone()
-        fused.step.split_keys = False
-        whole = runner.run(step)
-        runner.pool.kv.copy_(before)
-        fused.step.split_keys = True
-        parts = runner.run(step)
+        whole, parts = both_ways(runner, step, "split_keys")
         tol = TOL if dtype == "float32" else 0.01 * whole.abs().max().item()
         assert (parts - whole).abs().max().item() < tol, i
     if dtype == "float32":
@@ -249,17 +254,9 @@ def test_a_prompts_chunks_before_its_last_ride_in_the_step(tiny_llama: Path) -> 
 def together_against_rowwise(runner: ModelRunner, steps: list[list[SeqSpec]]) -> list[bool]:
     """Each step run with a sequence's rows attending together and a row at a time (from
     the same pool), within 3% of the scale; whether each step's two logits differ."""
-    fused = runner.fused
-    assert fused is not None
     differs = []
     for i, step in enumerate(steps):
-        assert fused.accepts(step)
-        before = runner.pool.kv.clone()
-        fused.step.extend_flash = False
-        rowwise = runner.run(step)
-        runner.pool.kv.copy_(before)
-        fused.step.extend_flash = True
-        together = runner.run(step)
+        rowwise, together = both_ways(runner, step, "extend_flash")
         scale = rowwise.abs().max().item()
         assert (together - rowwise).abs().max().item() <= 0.03 * scale, i
         differs.append(not torch.equal(together, rowwise))
