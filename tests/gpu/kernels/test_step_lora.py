@@ -21,6 +21,7 @@ from ...conftest import LORA_ADAPTERS
 from ...models import build_lora_adapter
 from ..helpers import Pages, make_runner
 from ..lora.test_lora_layers import PROMPTS, lora_runner
+from .test_step import both_ways
 
 pytestmark = pytest.mark.skipif(
     native_step() is None or native_lora() is None, reason="needs a C compiler"
@@ -82,6 +83,33 @@ def test_fused_adapter_steps_match_the_models_forward(
     base = decode(fused, 1, adapters=False)[0]
     diff = (got[0] - base).abs().amax(1)
     assert all((d > 2) == bool(n) for d, n in zip(diff.tolist(), NAMES, strict=True))
+
+
+def test_an_adapted_decode_over_a_long_context(
+    tiny_llama: Path, lora_adapters: dict[str, Path]
+) -> None:
+    """A lone decode with an adapter on every projection over 1,200 tokens: its q, k and
+    v deltas are in before its context attends in parts of its keys (cpu_step.c), as
+    the model's forward attends it, and the parts give what one whole context gives."""
+    prompt = [(7 * j) % 900 + 1 for j in range(1200)]
+    out = []
+    for opts in ({}, {"fused_decode_max_batch": 0}):
+        runner = lora_runner(tiny_llama, lora_adapters, quantization="none", **opts)
+        pool = runner.lora
+        assert pool is not None
+        slot, pages = pool.slot_of("all"), Pages()
+        pool.plan = LoraPlan.build([len(prompt)], [slot], pool.ranks, native=True)
+        runner.run([SeqSpec(prompt, 0, pages.table("s", len(prompt)))])
+        pool.plan = LoraPlan.build([1], [slot], pool.ranks, native=True)
+        step = [SeqSpec([5], len(prompt), pages.table("s", len(prompt) + 1))]
+        if runner.fused is None:
+            out.append(runner.run(step))
+        else:  # the parts, and one whole context from the same pool
+            whole, parts = both_ways(runner, step, "split_keys")
+            out.append(parts)
+            assert (parts - whole).abs().max().item() < 1e-4
+        pool.plan = None
+    assert (out[0] - out[1]).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
