@@ -194,6 +194,16 @@ def test_long_contexts_of_few_tasks_attend_in_parts(
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_isa_build_attends_a_long_context_in_parts(
+    tiny_model_factory: Callable[..., Path], level: str
+) -> None:
+    """Each ISA build's parts (attend.h's loops, or its bf16 paths' where a build has
+    them) of a lone 4,200-token context, as the model's forward attends it."""
+    path = tiny_model_factory("llama", max_position_embeddings=4400)
+    assert_fused_matches_model(path, level, prompts=SPLIT[:1], steps=2, num_pages=400)
+
+
 def fused_and_plain(path: Path, seed: int) -> tuple[ModelRunner, ModelRunner, list[list[int]]]:
     """A runner with the fused step and one without, and three tables of 8 pages."""
     fused = make_runner(path)
