@@ -5,7 +5,8 @@ Prefill: one prompt of --prompt-len tokens. Decode: B sequences with a cached
 context of --context-len tokens each, then --warmup-steps untimed and --decode-steps
 timed steps of one token per sequence (greedy): the steady state. The first steps after
 a prompt (or after idling) read weights the prompt's pass pushed out of the last-level
-cache, at DRAM speed, and run up to ~1.5x slower (bench/README.md). One actorlm column per (dtype, linear method). Beside each figure:
+cache, at DRAM speed, and run up to ~1.5x slower (bench/residency.py, bench/README.md).
+One actorlm column per (dtype, linear method). Beside each figure:
 
 - decode: the bytes a step must read (the weights as the step's path keeps them, and
   the KV it attends to) over the measured read bandwidth, as tok/s;

@@ -77,9 +77,8 @@ def main() -> None:
                 times.append((time.perf_counter() - t0) * 1e3)
             ms[name].append(times)
     m = machine.describe()
-    print(
-        f"{m['cpu']}, {m['cores']} cores, flags {' '.join(m['isa_flags'])}; {torch.get_num_threads()} threads"
-    )
+    flags, threads = " ".join(m["isa_flags"]), torch.get_num_threads()
+    print(f"{m['cpu']}, {m['cores']} cores, flags {flags}; {threads} threads")
     print(
         f"\n| {args.mib} MiB: ms a pass after the gap | "
         + " | ".join(str(i + 1) for i in range(args.passes))

@@ -442,7 +442,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
        counter a layer of the claimed attention tasks where sequences attend together or
        contexts in parts */
     _Atomic int64_t *claims = NULL, *att_next = NULL;
-    if ((flash || n_parts) && (att_next = calloc((size_t)M->num_layers, sizeof *att_next)) == NULL) {
+    if ((flash || n_parts) &&
+        (att_next = calloc((size_t)M->num_layers, sizeof *att_next)) == NULL) {
         free(shared);
         return -1;
     }
@@ -626,13 +627,15 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 }
                 if (n_parts) { /* every row's key is in the pool: the parts, claimed */
                     team_wait(&team, nt, &phase);
-                    for (int64_t k; (k = atomic_fetch_add_explicit(att_next + l, 1, memory_order_relaxed)) < n_parts;)
-                        att_part_task(M, l, k, B, qkv, qkv_n, pages, table_stride, seq_lens, scores, acc,
-                                      part_o, part_ml, attn);
+                    _Atomic int64_t *next_part = att_next + l;
+                    for (int64_t k; (k = atomic_fetch_add_explicit(next_part, 1, memory_order_relaxed)) < n_parts;)
+                        att_part_task(M, l, k, B, qkv, qkv_n, pages, table_stride, seq_lens,
+                                      scores, acc, part_o, part_ml, attn);
                     team_wait(&team, nt, &phase);
                     share(B * Hkv, t, nt, &lo, &hi);
                     for (int64_t task = lo; task < hi; task++)
-                        att_merge_task(M, task / Hkv, task % Hkv, B, seq_lens, part_o, part_ml, attn);
+                        att_merge_task(M, task / Hkv, task % Hkv, B, seq_lens, part_o, part_ml,
+                                       attn);
                 }
                 if (store_first) { /* every row's key is in the pool: now they attend */
                     team_wait(&team, nt, &phase);

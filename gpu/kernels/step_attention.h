@@ -197,11 +197,12 @@ static inline void att_part_range(int64_t len, int64_t page_size, int64_t j, int
 static void att_merge_parts(const float *o, const float *ml, int64_t parts, int64_t G,
                             int64_t D, float *out) {
     for (int64_t g = 0; g < G; g++) {
-        float m = ml[2 * g], sum = 0.f, w[ATT_SPLIT_TASKS];
-        for (int64_t j = 1; j < parts; j++) m = ml[j * 2 * G + 2 * g] > m ? ml[j * 2 * G + 2 * g] : m;
+        const float *mg = ml + 2 * g; /* part j's m and l at mg[j * 2 * G], mg[j * 2 * G + 1] */
+        float m = mg[0], sum = 0.f, w[ATT_SPLIT_TASKS];
+        for (int64_t j = 1; j < parts; j++) m = mg[j * 2 * G] > m ? mg[j * 2 * G] : m;
         for (int64_t j = 0; j < parts; j++) {
-            w[j] = expf(ml[j * 2 * G + 2 * g] - m);
-            sum += ml[j * 2 * G + 2 * g + 1] * w[j];
+            w[j] = expf(mg[j * 2 * G] - m);
+            sum += mg[j * 2 * G + 1] * w[j];
         }
         for (int64_t j = 0; j < parts; j++) w[j] /= sum;
         for (int64_t d = 0; d < D; d++) {
@@ -227,7 +228,8 @@ static void att_part_task(const model_t *M, int64_t l, int64_t k, int64_t B, con
     const int64_t h = (k - first) / parts, j = (k - first) % parts;
     const int64_t *table = pages + b * table_stride;
     if (parts == 1) {
-        attend_task(M, l, b, h, qkv, qkv_n, table, seq_lens[b], scores, acc, attn + b * H * D + h * G * D);
+        float *out = attn + b * H * D + h * G * D;
+        attend_task(M, l, b, h, qkv, qkv_n, table, seq_lens[b], scores, acc, out);
         return;
     }
     int64_t a, c;
@@ -246,7 +248,8 @@ static void att_merge_task(const model_t *M, int64_t b, int64_t h, int64_t B,
     if (parts == 1) return;
     int64_t k = h * parts;
     for (int64_t i = 0; i < b; i++) k += Hkv * att_parts(seq_lens[i], B * Hkv);
-    att_merge_parts(part_o + k * G * D, part_ml + k * 2 * G, parts, G, D, attn + b * H * D + h * G * D);
+    float *out = attn + b * H * D + h * G * D;
+    att_merge_parts(part_o + k * G * D, part_ml + k * 2 * G, parts, G, D, out);
 }
 
 #if defined(__AVX512BF16__)
