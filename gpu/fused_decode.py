@@ -253,57 +253,98 @@ class _RopeSteps(NamedTuple):
 
 
 class ThreadChooser:
-    """The team size for each batch size, by measured step time: all of torch's threads,
-    or half of them. A thread team is only as fast as its slowest member, and on a
-    machine shared with other busy processes one of the team often waits for a core
-    (seen on the 2-core VM: batch-1 steps took 10 ms on one thread, 33 ms on two, while
-    other jobs ran; 4-5 ms and ~3 ms when it was quiet). Every ``EXPLORE``-th step of a
-    batch size tries the size it is not using, so the choice follows the load; a look
-    that finds that size clearly slower doubles the interval to the next, up to
-    ``EXPLORE_MAX`` (each look at a team of one cost a 2-core AMX Xeon's decode steps
-    of 32 / 64 sequences ~5% / ~7% at every 16th step). The results are the same bits
-    either way."""
+    """The team size for each size of step, by measured step time: all of torch's
+    threads, or half of them. A thread team is only as fast as its slowest member, and
+    on a machine shared with other busy processes one of the team often waits for a
+    core (seen on the 2-core VM: batch-1 steps took 10 ms on one thread, 33 ms on two,
+    while other jobs ran; 4-5 ms and ~3 ms when it was quiet).
 
+    Steps are told apart by their rows: each count up to ``EXACT`` (decode batches: a
+    serving level keeps to a few), then by the power of two above it (a prompt's chunks
+    of 300 and of 500 rows are one size), and timed per row. Every ``EXPLORE``-th step
+    of a size may try the team it is not using (a look), when:
+
+    - the team in use is not the whole team (the load may have gone);
+    - the team in use runs ``SLOWED`` slower a row than its best (load came);
+    - the other team is untried, and the size is one of decode batches (a look costs a
+      step about twice its time: a few ms there, a 470-token prompt 160 against 80 ms on
+      a 2-core AMX Xeon), or another size runs on the other team now (load is here).
+
+    A look that finds the other team ``CLEARLY`` slower doubles the interval to the next,
+    up to ``EXPLORE_MAX``. A quiet machine so pays one look a decode batch size and none
+    a prompt's. Keyed by exact row counts and trying the other team at each one's second
+    step, prompts paid a look each time a chunk's length came back (a third of a warm
+    shared-prefix level's steps ran on one thread). The results are the same bits
+    either way.
+    """
+
+    EXACT = 64
     EXPLORE = 16
     EXPLORE_MAX = 128
-    CLEARLY = 1.25  # slower by this factor
+    CLEARLY = 1.25  # a look's team slower than the other by this factor
+    SLOWED = 1.5  # the team in use slower than its best by this factor: a team of
+    # threads sharing cores with busy processes runs ~2-3x slower; steps' own spread
+    # (their contexts, the last-level cache after a prompt) mostly stays under it
     DECAY = 0.5  # of the moving average of step times: a few looks follow a change
 
     def __init__(self) -> None:
-        self._ema: dict[tuple[int, int], float] = {}
-        self._every: dict[int, int] = {}  # steps between looks, by batch size
+        self._ema: dict[tuple[int, int], float] = {}  # seconds a row, by (size, team)
+        self._best: dict[tuple[int, int], float] = {}  # the lowest that average reached
+        self._uses: dict[int, int] = {}  # the team each size runs on
+        self._every: dict[int, int] = {}  # steps between looks, by size
         self._until: dict[int, int] = {}  # steps to the next look
-        self._looking: dict[int, int] = {}  # the size a look is trying
+        self._looking: dict[int, int] = {}  # the team a look is trying
 
     def options(self) -> list[int]:
         threads = torch.get_num_threads()
         return sorted({threads, max(1, threads // 2)}, reverse=True)
 
-    def pick(self, batch: int) -> int:
-        options = self.options()
-        untried = [t for t in options if (batch, t) not in self._ema]
-        if untried:
-            return untried[0]
-        ranked = sorted(options, key=lambda t: self._ema[batch, t])
-        left = self._until.get(batch, self.EXPLORE) - 1
-        if left > 0 or len(ranked) == 1:
-            self._until[batch] = left
-            return ranked[0]
-        self._until[batch] = self._every.get(batch, self.EXPLORE)
-        self._looking[batch] = ranked[-1]
-        return ranked[-1]
+    @classmethod
+    def size(cls, rows: int) -> int:
+        return rows if rows <= cls.EXACT else 1 << (rows - 1).bit_length()
 
-    def record(self, batch: int, threads: int, seconds: float) -> None:
-        if self._looking.pop(batch, None) == threads:
-            used = [v for (b, t), v in self._ema.items() if b == batch and t != threads]
-            slower = bool(used) and seconds > self.CLEARLY * min(used)
-            every = self._every.get(batch, self.EXPLORE)
-            every = min(2 * every, self.EXPLORE_MAX) if slower else self.EXPLORE
-            self._every[batch] = self._until[batch] = every
-        old = self._ema.get((batch, threads))
-        self._ema[batch, threads] = (
-            seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
-        )
+    def pick(self, rows: int) -> int:
+        options, size = self.options(), self.size(rows)
+        team = self._uses.get(size, options[0])
+        if team not in options:  # torch's threads changed
+            team = self._uses[size] = options[0]
+        left = self._until.get(size, self.EXPLORE) - 1
+        if left > 0 or len(options) == 1:
+            self._until[size] = left
+            return team
+        self._until[size] = self._every.get(size, self.EXPLORE)
+        other = next(t for t in options if t != team)
+        if not self._look(size, team, other, options[0]):
+            return team
+        self._looking[size] = other
+        return other
+
+    def _look(self, size: int, team: int, other: int, whole: int) -> bool:
+        if team != whole:
+            return True
+        ema = self._ema.get((size, team))
+        if ema is not None and ema > self.SLOWED * self._best[size, team]:
+            return True
+        if (size, other) in self._ema:
+            return False
+        return size <= self.EXACT or any(t != whole for t in self._uses.values())
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        size, per_row = self.size(rows), seconds / max(rows, 1)
+        look = self._looking.pop(size, None) == threads
+        old = None if look else self._ema.get((size, threads))  # a look: the load now
+        ema = per_row if old is None else self.DECAY * old + (1 - self.DECAY) * per_row
+        self._ema[size, threads] = ema
+        self._best[size, threads] = min(ema, self._best.get((size, threads), ema))
+        if not look:
+            return
+        team = self._uses.get(size, max(self.options()))
+        slower = (size, team) in self._ema and ema > self.CLEARLY * self._ema[size, team]
+        every = self._every.get(size, self.EXPLORE)
+        every = min(2 * every, self.EXPLORE_MAX) if slower else self.EXPLORE
+        self._every[size] = self._until[size] = every
+        if ema < self._ema.get((size, team), float("inf")):
+            self._uses[size] = threads
 
 
 class FusedDecoder:

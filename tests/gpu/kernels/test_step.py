@@ -779,32 +779,44 @@ def test_a_team_whose_threads_lose_their_cores_gives_the_same_bits(
 def test_the_team_size_follows_the_measured_step_times() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(4)
+    E = ThreadChooser.EXPLORE
     try:
         chooser = ThreadChooser()
         assert chooser.options() == [4, 2]
+
+        def run(steps: int, times: dict[int, float], rows: int = 1) -> list[int]:
+            picks = []
+            for _ in range(steps):
+                t = chooser.pick(rows)
+                picks.append(t)
+                chooser.record(rows, t, times[t] * rows)  # the same time a row
+            return picks
+
         slow = {4: 0.010, 2: 0.004}  # a busy machine: the smaller team is faster
-        picks = []
-        for _ in range(400):
-            t = chooser.pick(1)
-            picks.append(t)
-            chooser.record(1, t, slow[t])
-        assert picks[:2] == [4, 2]  # each tried once
-        looks = [i for i, t in enumerate(picks) if t == 4][1:]  # then only to look again,
-        gaps = [b - a for a, b in zip([1, *looks], looks, strict=False)]
-        assert gaps == [16, 32, 64, 128, 128], gaps  # less often while it stays slower
+        picks = run(400, slow)
+        assert picks[:E] == [4] * (E - 1) + [2]  # the whole team, then one look
+        looks = [i for i, t in enumerate(picks) if t == 4 and i >= E]  # back, less often
+        gaps = [b - a for a, b in zip([E - 1, *looks], looks, strict=False)]
+        assert gaps == [E, 2 * E, 4 * E, 128, 128], gaps  # while it stays slower
         quiet = {4: 0.002, 2: 0.004}  # the load went away: seen at the next look
-        for _ in range(ThreadChooser.EXPLORE_MAX):
-            t = chooser.pick(1)
-            chooser.record(1, t, quiet[t])
-        assert chooser.pick(1) == 4
+        run(ThreadChooser.EXPLORE_MAX, quiet)
+        assert run(400, quiet) == [4] * 400  # quiet, and both known: no more looks
+        loaded = {4: 0.006, 2: 0.004}  # the whole team slows: the other is tried again
+        picks = run(2 * E, loaded)
+        assert picks[E - 1 : 2 * E - 1] == [2] * E, picks  # at the next look
         busy = {4: 0.0045, 2: 0.004}  # within CLEARLY: looked at every EXPLORE steps
-        picks = []
-        for _ in range(64):
-            t = chooser.pick(1)
-            picks.append(t)
-            chooser.record(1, t, busy[t])
+        picks = run(64, busy)
         assert 3 <= picks.count(4) <= 6, picks
-        assert chooser.pick(3) == 4  # each batch size learns on its own
+
+        # sizes: each row count to EXACT, then by the power of two above (timed a row)
+        assert chooser.pick(3) == 4  # each size learns on its own
+        chooser = ThreadChooser()
+        assert run(3, slow, rows=2) == [4] * 3  # a size seen a few times: no look
+        assert run(4 * E, quiet, rows=300) == [4] * 4 * E  # a prompt's: none while quiet
+        assert run(E, slow)[-1] == 2  # load, found by a decode batch size
+        assert run(E, slow, rows=500) == [4] * (E - 1) + [2]  # now prompts look too:
+        assert run(E, slow, rows=300) == [2] * (E - 1) + [4]  # 300 and 500 rows: one size
+        assert run(E, slow, rows=1000) == [4] * (E - 1) + [2]  # 1,000 another
     finally:
         torch.set_num_threads(before)
 
