@@ -43,7 +43,7 @@ from .attention.cpu import CpuBackend
 from .attention.torch_native import TorchNativeBackend
 from .forward_meta import SeqSpec
 from .kernels.attention import prefill_tiles
-from .kernels.qgemm import BLOCK_KINDS
+from .kernels.qgemm import AMX_TILES_MIN_ROWS, BLOCK_KINDS
 from .kernels.step import Cascade, DecodeStep, LayerWeights, MoEWeights, StepWeights, native_step
 from .kv_pool import KVPool
 from .models.gemma import (
@@ -394,6 +394,14 @@ class FusedDecoder:
     # and the bf16 rows that come with them (cpu_step.c), a 512-token prompt ~86 -> ~74
     # ms (alternated three times), 64 decodes ~1.1x (2-core AMX Xeon, 2026-12-05)
     AMX_TILES: ClassVar[bool] = True
+    # Steps of AMX_TILES_MIN_ROWS to COLD_TILES_FROM - 1 rows read those tiles only where
+    # they are likely in the last-level cache: after a step that read them, or from the
+    # WARM_RUN-th of a run of such steps (decodes of 48 sequences back to back). Alone,
+    # as a warm request's new tokens after decodes of a few rows (which read the codes),
+    # they find the tiles evicted and read them from memory, 2 bytes a weight where the
+    # codes are ~0.56: those steps expand the codes instead, to the same bits.
+    COLD_TILES_FROM: ClassVar[int] = 129
+    WARM_RUN: ClassVar[int] = 3
     MAX_BATCH_DOTS_Q4: ClassVar[int] = 64
     MAX_BATCH: ClassVar[int] = 32
 
@@ -420,6 +428,8 @@ class FusedDecoder:
             )
         self.max_batch = max_batch
         self.threads = ThreadChooser()
+        self._run = 0  # steps of AMX_TILES_MIN_ROWS rows or more in a row, up to this one
+        self._tiles_read = False  # the last step read the tiles
         # decodes whose contexts begin in the same pages read them once a chunk of rows
         # (kernels/step.py's Cascade; not within windows); False: once a row, as the
         # model's forward does
@@ -603,6 +613,8 @@ class FusedDecoder:
         cos = torch.stack([c.reshape(B, half) for c, _ in rots]).to(torch.float32).contiguous()
         sin = torch.stack([s.reshape(B, half) for _, s in rots]).to(torch.float32).contiguous()
         threads = self.threads.pick(B)
+        if self.step.tiles:
+            self.step.tiles_from = self._tiles_from(B)
         t0 = time.perf_counter()
         rows = None if plan is None else plan.rows
         last = np.cumsum(news) - 1 if extends else None
@@ -621,3 +633,12 @@ class FusedDecoder:
         if on_argmax is not None and picks is not None:
             on_argmax(logits, picks)
         return logits
+
+    def _tiles_from(self, rows: int) -> int:
+        """The rows from which a step of ``rows`` reads the layers' tiles (see
+        COLD_TILES_FROM), noting whether it does."""
+        self._run = self._run + 1 if rows >= AMX_TILES_MIN_ROWS else 0
+        warm = self._tiles_read or self._run >= self.WARM_RUN
+        start = AMX_TILES_MIN_ROWS if warm else self.COLD_TILES_FROM
+        self._tiles_read = rows >= start
+        return start

@@ -53,6 +53,10 @@
    expanded from its codes: 2 bytes a weight from memory where the codes are ~0.56, so
    only where enough rows share each tile (from 17 rows: level with 41, 2026-12-06) */
 #define AMX_TILES_MIN_ROWS 41
+/* The rows from which this thread's calls read the tiles: AMX_TILES_MIN_ROWS, or more
+   for a step that sets it (cpu_step.c's `tiles_from`): tiles that have left the cache
+   cost their 2 bytes a weight from memory, where the codes cost ~0.56 */
+static __thread int64_t amx_tiles_from = AMX_TILES_MIN_ROWS;
 /* a dense bf16 weight through amx_expanded_cols (a 1536 x 576 weight, two cores: 0.047 /
    0.069 / 0.110 / 0.222 ms at 32 / 64 / 117 / 256 rows against amx_dense_cols' 0.054 /
    0.114 / 0.203 / 0.459; 0.046 against 0.032 at 24) */
@@ -433,7 +437,7 @@ static int amx_expanded_cols(const lin_t *L, const float *x, int64_t M, int64_t 
     const int64_t K = L->k, nb = K / QK, N = L->n, T = (M + 15) / 16;
     const size_t xb_bytes = ((size_t)(T * 16 * K) * 2 + 63) / 64 * 64;
     /* the expansion's two pairs of B tiles, or amx_tiles_cols' parked sums */
-    const int tiles = L->tiles && (L->kind == LIN_BF16 || M >= AMX_TILES_MIN_ROWS);
+    const int tiles = L->tiles && (L->kind == LIN_BF16 || M >= amx_tiles_from);
     const size_t wbs_bytes = tiles ? amx_tiles_part(K) : (size_t)nb * 4096;
     char *buf = dp_buffer(xb_bytes + wbs_bytes + 4 * 1024);
     if (buf == NULL) return -1;

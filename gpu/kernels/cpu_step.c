@@ -102,6 +102,8 @@ typedef struct {
     double final_softcap; /* the logits likewise, or 0 (Gemma 2) */
     int64_t act_gelu;     /* the MLP's gate through tanh-GELU, not SiLU (Gemma) */
     int64_t split_keys;   /* decodes of few tasks attend long contexts in parts (1), or not */
+    int64_t tiles_from;   /* rows from which a block weight's tiles are read (0: amx.h's
+                             AMX_TILES_MIN_ROWS); fewer expand its codes: the same bits */
 } model_t;
 
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_N };
@@ -521,6 +523,9 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t phase = 0;
+#if defined(__AMX_BF16__)
+        amx_tiles_from = M->tiles_from > 0 ? M->tiles_from : AMX_TILES_MIN_ROWS;
+#endif
         float *res = malloc(sizeof(float) * (size_t)(2 * B * Hd + 2 * B * SILU_CHUNK + SG * D +
                                                      SG * max_len + 3 * SG * D + 2 * B * R +
                                                      (B * G * D + 1) / 2 + Hd + 8));
@@ -761,6 +766,9 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         }
         free(res);
         free(own.start);
+#if defined(__AMX_BF16__)
+        amx_tiles_from = AMX_TILES_MIN_ROWS;
+#endif
     }
     free(shared);
     free(moe.x);

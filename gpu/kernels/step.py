@@ -85,6 +85,7 @@ class _Model(ctypes.Structure):
         ("final_softcap", ctypes.c_double),
         ("act_gelu", _I),
         ("split_keys", _I),
+        ("tiles_from", _I),
     ]
 
 
@@ -507,6 +508,17 @@ class DecodeStep:
     @split_keys.setter
     def split_keys(self, on: bool) -> None:
         self._model.split_keys = int(on)
+
+    @property
+    def tiles_from(self) -> int:
+        """Rows from which the next steps' block linears read the layers' AMX tiles (0:
+        the kernels' own AMX_TILES_MIN_ROWS); fewer rows expand the blocks' codes each
+        call. The same bits either way: only the bytes read differ."""
+        return int(self._model.tiles_from)
+
+    @tiles_from.setter
+    def tiles_from(self, rows: int) -> None:
+        self._model.tiles_from = rows
 
     def __call__(
         self,

@@ -519,6 +519,52 @@ def test_steps_on_the_weights_as_tiles_give_the_expanded_weights_bits(
         assert torch.equal(tiled.run(step), expanded.run(step)), i
 
 
+def test_steps_read_the_tiles_where_the_cache_likely_holds_them(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 41 to 128 rows read the layers' tiles only after a step that read them,
+    or from the third such step in a row: alone, after decodes of a few rows, they expand
+    the codes (``FusedDecoder.COLD_TILES_FROM``), and every step gives the bits of a
+    step that never reads tiles."""
+    path = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4)  # D = 64
+    path = _block_model(path, tmp_path / "blocks")
+    tiled = make_runner(path, dtype="bfloat16", quantization="gguf")
+    if tiled.fused is None or not tiled.fused.step.tiles:
+        pytest.skip("no AMX tiles here (or the OS refused their state)")
+    monkeypatch.setattr(FusedDecoder, "AMX_TILES", False)
+    expanded = make_runner(path, dtype="bfloat16", quantization="gguf")
+    assert expanded.fused is not None and not expanded.fused.step.tiles
+    a, b, ids = list(range(0, 30)), list(range(30, 50)), LONG[1]
+
+    def chunk(lo: int, hi: int) -> list[SeqSpec]:
+        return [SeqSpec(ids[lo:hi], lo, a)]
+
+    steps = [
+        chunk(0, 48),  # a prompt of 48 rows: the codes
+        chunk(48, 49),  # a decode
+        chunk(49, 97),  # 48 new tokens after it: the codes
+        chunk(97, 145),
+        chunk(145, 193),  # the third of 41 or more rows in a row: the tiles
+        chunk(193, 241),  # after a step that read them: the tiles
+        chunk(241, 242),
+        [SeqSpec(LONG[0][:200], 0, b)],  # 129 rows or more: the tiles, always
+        chunk(242, 290),  # after it: the tiles
+    ]
+    starts = []
+    for i, step in enumerate(steps):
+        assert tiled.fused.accepts(step)
+        assert torch.equal(tiled.run(step), expanded.run(step)), i
+        starts.append(tiled.fused.step.tiles_from)
+    cold = FusedDecoder.COLD_TILES_FROM
+    assert starts == [cold, cold, cold, cold, 41, 41, 41, cold, 41], starts
+    for t in tiled.fused.step.tiles:  # now a step that reads the tiles shows it
+        t.zero_()
+    after = [chunk(290, 291), chunk(291, 339), chunk(339, 387), chunk(387, 435)]
+    got, want = [tiled.run(s) for s in after], [expanded.run(s) for s in after]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # the codes
+    assert not torch.equal(got[3], want[3])  # the third in a row: the tiles
+
+
 def test_tiles_that_would_take_half_the_memory_left_are_left_out(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
