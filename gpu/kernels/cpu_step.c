@@ -418,13 +418,10 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
         n_chunks = 0;
     /* decodes of few (sequence, KV head) tasks: long contexts in parts of their keys, the
        step's (sequence, KV head, part) tasks n_parts (0: none; step_attention.h) */
-    int64_t n_parts = 0, long_ones = 0;
+    int64_t n_parts = 0;
     if (M->split_keys && !store_first && !n_chunks && !windowed)
-        for (int64_t b = 0; b < B; b++) {
-            n_parts += Hkv * att_parts(seq_lens[b], B * Hkv);
-            long_ones += att_parts(seq_lens[b], B * Hkv) > 1;
-        }
-    if (!long_ones) n_parts = 0;
+        for (int64_t b = 0; b < B; b++) n_parts += Hkv * att_parts(seq_lens[b], B * Hkv);
+    if (n_parts == B * Hkv) n_parts = 0; /* no context in more than one part */
     /* query rows an attention call takes at most: a sequence's G, or a cascade chunk's */
     const int64_t SG = n_chunks ? most : G;
     /* shared between the threads: each phase's output (and the adapters' shrinks), then
