@@ -26,7 +26,8 @@ FLAG_HELP: dict[str, str] = {
     "device": "torch device for the worker (empty: the platform's)",
     "attention_backend": "attention backend (empty: the platform's default; see actorlm plugins)",
     "quantization": "linear method: none, fp16, gguf, q8_0, q4_1, gguf_a8 / q8_0_a8 / q4_1_a8 (int8 rows, "
-    "AVX2 or AVX512-VNNI), or a plugin's (empty: the platform's)",
+    "AVX2 or AVX512-VNNI), or a plugin's (empty: the platform's; with --dtype auto on an "
+    "AVX512-VNNI CPU without native bf16, gguf_a8)",
     "page_size": "tokens per KV-cache page",
     "kv_cache_gb": "memory budget of the paged KV pool in GiB (0: the platform's)",
     "mem_fraction_static": "CUDA: share of free device memory for weights and KV pool",

@@ -68,20 +68,6 @@ static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
     return _mm512_permutexvar_epi16(mix, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-/* The next group's block `blk + nb` (codes, scales, minimums) on its way to the caches
-   while this one expands: one group ahead of the hardware prefetcher, as gemv.h's tiles
-   fetch. Without it a weight streamed from memory ran the dot products no faster than
-   the fp32 tiles at 8 rows (2-core Zen 4: 143 against 158 us a 3072x576 Q4_1 linear,
-   114 us from cache). */
-static inline void dp_prefetch(const int q4, const uint8_t *q, const uint16_t *d,
-                               const uint16_t *mn, int64_t next) {
-    const int64_t qbytes = q4 ? 16 * GROUP : QK * GROUP;
-    const char *c = (const char *)q + next * qbytes;
-    for (int64_t i = 0; i < qbytes; i += 64) __builtin_prefetch(c + i, 0, 3);
-    __builtin_prefetch(d + next * GROUP, 0, 3);
-    if (q4) __builtin_prefetch(mn + next * GROUP, 0, 3);
-}
-
 /* The bf16 values 0..15, twice: a table for _mm512_permutexvar_epi16 */
 static inline __m512i dp_q4_table(void) {
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);

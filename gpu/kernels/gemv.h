@@ -238,6 +238,20 @@ static inline __attribute__((always_inline)) void tile16(
 }
 #endif
 
+/* The next group's block `blk + nb` (codes, scales, minimums) on its way to the caches
+   while this one expands (dpbf16.h's and dpi8.h's dot products): one group ahead of the
+   hardware prefetcher, as the tiles above fetch. Without it a weight streamed from
+   memory ran the bf16 dot products no faster than the fp32 tiles at 8 rows (2-core Zen
+   4: 143 against 158 us a 3072x576 Q4_1 linear, 114 us from cache). */
+static inline void dp_prefetch(const int q4, const uint8_t *q, const uint16_t *d,
+                               const uint16_t *mn, int64_t next) {
+    const int64_t qbytes = q4 ? 16 * GROUP : QK * GROUP;
+    const char *c = (const char *)q + next * qbytes;
+    for (int64_t i = 0; i < qbytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+    __builtin_prefetch(d + next * GROUP, 0, 3);
+    if (q4) __builtin_prefetch(mn + next * GROUP, 0, 3);
+}
+
 #if defined(__AVX512BF16__)
 #include "dpbf16.h"
 #endif
@@ -257,7 +271,7 @@ static int i8_scratch_for(int64_t M, int64_t K, int8_t **qx, float **dx, float *
     return 0;
 }
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define ACTORLM_INT8 1
 #include "dpi8.h"
 #elif defined(__AVX2__)

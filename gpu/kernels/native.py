@@ -65,14 +65,18 @@ class Isa:
 
 _X86_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
 _X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-# Highest first. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL over v3. AVX512-BF16's dot product
-# serves the block weights at batches beyond one tile of rows (gemv.h, dpbf16.h), and
-# AMX's bf16 tiles serve them faster where the CPU has them (amx.h). Both levels also
-# take AVX512-VNNI's int8 dot product and VBMI's byte permutes (dpi8.h, the `gguf_a8`
-# linear methods): every CPU with AVX512-BF16 has them but Cooper Lake, which runs
-# the avx512 level.
-_BF16_VNNI = _X86_V4 | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
-_BF16_VNNI_CFLAGS = ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi")
+# Highest first. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL over v3. AVX512-VNNI's int8 dot
+# product and VBMI's byte permutes serve the rows quantized to int8 (dpi8.h, the
+# `gguf_a8` linear methods): the avx512vnni level (Ice Lake, Tiger Lake, Rocket Lake;
+# their bf16 arithmetic is emulated, so their models run fp32). AVX512-BF16's dot
+# product serves bf16 rows over the block weights at batches beyond one tile of rows
+# (gemv.h, dpbf16.h), and AMX's bf16 tiles serve them faster where the CPU has them
+# (amx.h); every CPU with AVX512-BF16 has VNNI and VBMI too but Cooper Lake, which
+# runs the avx512 level.
+_VNNI = _X86_V4 | {"avx512_vnni", "avx512vbmi"}
+_VNNI_CFLAGS = ("-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi")
+_BF16_VNNI = _VNNI | {"avx512_bf16"}
+_BF16_VNNI_CFLAGS = (*_VNNI_CFLAGS, "-mavx512bf16")
 ISAS: tuple[Isa, ...] = (
     Isa(
         "amx",
@@ -80,6 +84,7 @@ ISAS: tuple[Isa, ...] = (
         (*_BF16_VNNI_CFLAGS, "-mamx-tile", "-mamx-bf16", "-mtune=generic"),
     ),
     Isa("avx512bf16", _BF16_VNNI, (*_BF16_VNNI_CFLAGS, "-mtune=generic")),
+    Isa("avx512vnni", _VNNI, (*_VNNI_CFLAGS, "-mtune=generic")),
     Isa("avx512", _X86_V4, ("-march=x86-64-v4", "-mtune=generic")),
     Isa("avx2", _X86_V3, ("-march=x86-64-v3", "-mtune=generic")),
     Isa("generic", frozenset(), ()),

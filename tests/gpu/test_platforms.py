@@ -25,6 +25,8 @@ from actorlm.gpu.platforms import (
 from .helpers import make_runner
 from .kernels.test_native import AVX2_EPYC, SAPPHIRE_RAPIDS, ZEN5
 
+ICE_LAKE = ZEN5 - {"avx512_bf16"}
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -99,25 +101,35 @@ def test_cuda_platform_serving_defaults(tiny_llama: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "want"),
+    ("flags", "want", "method"),
     [
-        (AVX2_EPYC, "float32"),  # bf16 emulated: slower than fp32
-        (ZEN5, "bfloat16"),  # AVX512-BF16
-        (SAPPHIRE_RAPIDS, "bfloat16"),  # AMX
-        (AVX2_EPYC | {"amx_bf16"}, "bfloat16"),
+        (AVX2_EPYC, "float32", "gguf"),  # bf16 emulated: slower than fp32
+        (ICE_LAKE, "float32", "gguf_a8"),  # bf16 emulated, int8 dot products (VNNI)
+        (ZEN5, "bfloat16", "gguf"),  # AVX512-BF16
+        (SAPPHIRE_RAPIDS, "bfloat16", "gguf"),  # AMX
+        (AVX2_EPYC | {"amx_bf16"}, "bfloat16", "gguf"),
     ],
 )
-def test_auto_is_bf16_where_the_cpu_has_native_bf16(
-    monkeypatch: pytest.MonkeyPatch, flags: set[str], want: str
+def test_auto_runs_the_cpus_fastest_units(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], want: str, method: str
 ) -> None:
+    """bf16 where the CPU has native bf16; int8 rows where its fastest units are
+    AVX512-VNNI's; --dtype float32 keeps the exact fp32 path."""
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
-    platform = CpuPlatform()
-    assert platform.default_dtype() == want
-    resolved = platform.adjust_defaults(EngineConfig()).model
-    assert (resolved.dtype, resolved.quantization) == (want, "gguf")
-    pinned = platform.adjust_defaults(EngineConfig(model=ModelConfig(dtype="float32"))).model
-    assert pinned.dtype == "float32"
-    assert platform.describe()["dtype_auto"] == want
+    monkeypatch.delenv("ACTORLM_ISA", raising=False)
+    native.best_isa.cache_clear()
+    try:
+        platform = CpuPlatform()
+        assert platform.default_dtype() == want
+        resolved = platform.adjust_defaults(EngineConfig()).model
+        assert (resolved.dtype, resolved.quantization) == (want, method)
+        pinned = platform.adjust_defaults(EngineConfig(model=ModelConfig(dtype="float32"))).model
+        assert (pinned.dtype, pinned.quantization) == ("float32", "gguf")
+        chosen = platform.adjust_defaults(EngineConfig(model=ModelConfig(quantization="gguf")))
+        assert chosen.model.quantization == "gguf"
+        assert platform.describe()["dtype_auto"] == want
+    finally:
+        native.best_isa.cache_clear()
 
 
 def test_other_platforms_default_to_fp32() -> None:

@@ -30,7 +30,7 @@ from ..helpers import (
     hf_model,
     make_runner,
 )
-from .levels import LEVELS
+from .levels import INT8_LEVELS
 from .test_dpbf16 import _forced_logits
 from .test_qgemm import _block_model, blocks
 
@@ -48,7 +48,7 @@ def quantized(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(rows, k)
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", INT8_LEVELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_rows_quantize_to_int8_and_meet_the_exact_blocks(level: str, kind: str) -> None:
     """With ``act_int8`` the builds with the int8 kernels quantize every row count's x

@@ -23,7 +23,8 @@ COOPER_LAKE = AVX512 | {"avx512_bf16", "avx512_vnni"}  # bf16 without VBMI
         (ZEN5, True, "avx512bf16"),
         (SAPPHIRE_RAPIDS, True, "amx"),
         (SAPPHIRE_RAPIDS - {"amx_bf16"}, True, "avx512bf16"),  # AMX tiles without bf16
-        (ZEN5 - {"avx512_bf16"}, True, "avx512"),  # Ice Lake: no bf16 dot product
+        (ZEN5 - {"avx512_bf16"}, True, "avx512vnni"),  # Ice Lake: int8, no bf16 dot product
+        (ZEN5 - {"avx512_bf16", "avx512vbmi"}, True, "avx512"),  # Cascade Lake: no VBMI
         (AVX512, True, "avx512"),  # Skylake-X: no VNNI either
         (COOPER_LAKE, True, "avx512"),  # the bf16 levels' int8 kernels need VBMI too
         (ZEN5 - {"avx512vl"}, True, "avx2"),  # Knights Landing: F and CD, no VL/BW/DQ
@@ -40,12 +41,15 @@ def test_the_highest_level_the_flags_allow(flags: set[str], x86: bool, want: str
 
 def test_a_cap_lowers_the_level_but_never_raises_it() -> None:
     assert native.pick_isa(ZEN5, cap="avx512").name == "avx512"
+    assert native.pick_isa(ZEN5, cap="avx512vnni").name == "avx512vnni"
     assert native.pick_isa(SAPPHIRE_RAPIDS, cap="avx512bf16").name == "avx512bf16"
     assert native.pick_isa(ZEN5, cap="amx").name == "avx512bf16"
     assert native.pick_isa(ZEN5, cap="avx2").name == "avx2"
     assert native.pick_isa(ZEN5, cap="generic").name == "generic"
     assert native.pick_isa(AVX2_EPYC, cap="avx512").name == "avx2"
-    with pytest.raises(ValueError, match="known: amx, avx512bf16, avx512, avx2, generic"):
+    with pytest.raises(
+        ValueError, match="known: amx, avx512bf16, avx512vnni, avx512, avx2, generic"
+    ):
         native.pick_isa(ZEN5, cap="sse9")
 
 
