@@ -38,10 +38,10 @@ Built in:
   llama.cpp's CPU path quantizes it, on AVX512-VNNI's int8 dot products
   (``kernels/dpi8.h``: the avx512vnni level and above; AVX2's byte products in the
   avx2 and avx512 builds, ``kernels/dpi8_avx2.h``), with no dense copy beside the
-  blocks (the default model's worker holds ~275 MiB less). Where AMX runs bf16 rows, int8 rows are faster only in
-  small batches: there batches of 9 or more rows (25 over Q8_0, ``gemv.h``'s
-  ``I8_AMX_MIN_ROWS``) run as ``gguf``'s do, on the tiles and, beyond
-  ``AMX_MAX_ROWS``, on oneDNN over a dense copy the layers keep there. Not exact: the
+  blocks (the default model's worker holds ~275 MiB less). Where AMX runs bf16 rows,
+  int8 rows are faster only in small batches: there batches of 9 or more rows (25
+  over Q8_0, ``gemv.h``'s ``I8_AMX_MIN_ROWS``) run as ``gguf``'s do, on the tiles and,
+  beyond ``AMX_MAX_ROWS``, on oneDNN over a dense copy the layers keep there. Not exact: the
   default model's first-token logits land ~0.6-1.3 from the exact fp32 path's (bf16
   rows: ~0.8), so near-ties may flip; decode at 8-64 rows runs ~1.4x ``gguf``'s on a
   Zen 4, at 1-8 rows ~1.2-1.6x on an AMX Xeon, at 1-32 rows ~1.6-1.8x on an Ice Lake

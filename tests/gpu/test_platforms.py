@@ -23,9 +23,7 @@ from actorlm.gpu.platforms import (
 )
 
 from .helpers import make_runner
-from .kernels.test_native import AVX2_EPYC, SAPPHIRE_RAPIDS, ZEN5
-
-ICE_LAKE = ZEN5 - {"avx512_bf16"}
+from .kernels.test_native import AVX2_EPYC, ICE_LAKE, SAPPHIRE_RAPIDS, ZEN5
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

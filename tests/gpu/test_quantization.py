@@ -83,7 +83,8 @@ def test_registry_checks_and_platform_default(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="float32"):
         make_runner(tiny_llama, quantization="fp16", dtype="bfloat16")
     unset = CpuPlatform().adjust_defaults(EngineConfig())
-    assert unset.model.quantization == "gguf"
+    int8 = CpuPlatform.int8_rows_fastest()  # VNNI without native bf16: int8 rows
+    assert unset.model.quantization == ("gguf_a8" if int8 else "gguf")
     bf16 = EngineConfig(model=ModelConfig(dtype="bfloat16"))
     assert CpuPlatform().adjust_defaults(bf16).model.quantization == "gguf"  # bf16 GEMMs
 

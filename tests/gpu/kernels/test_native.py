@@ -14,6 +14,7 @@ AVX512 = AVX2_EPYC | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 ZEN5 = AVX512 | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
 SAPPHIRE_RAPIDS = ZEN5 | {"amx_tile", "amx_bf16", "amx_int8"}
 COOPER_LAKE = AVX512 | {"avx512_bf16", "avx512_vnni"}  # bf16 without VBMI
+ICE_LAKE = AVX512 | {"avx512_vnni", "avx512vbmi"}  # int8 dot products, no bf16
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,7 @@ COOPER_LAKE = AVX512 | {"avx512_bf16", "avx512_vnni"}  # bf16 without VBMI
         (ZEN5, True, "avx512bf16"),
         (SAPPHIRE_RAPIDS, True, "amx"),
         (SAPPHIRE_RAPIDS - {"amx_bf16"}, True, "avx512bf16"),  # AMX tiles without bf16
-        (ZEN5 - {"avx512_bf16"}, True, "avx512vnni"),  # Ice Lake: int8, no bf16 dot product
+        (ICE_LAKE, True, "avx512vnni"),
         (ZEN5 - {"avx512_bf16", "avx512vbmi"}, True, "avx512"),  # Cascade Lake: no VBMI
         (AVX512, True, "avx512"),  # Skylake-X: no VNNI either
         (COOPER_LAKE, True, "avx512"),  # the bf16 levels' int8 kernels need VBMI too
