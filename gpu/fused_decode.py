@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 _SPECS: dict[type, Callable[[Any], StepWeights | None]] = {}
 
-# the kernel builds whose fused step attends a sequence's rows together (flash.h)
+# the kernel builds whose fused step attends a sequence's rows on bf16 products (flash.h)
 _BF16_LEVELS = frozenset({"avx512bf16", "amx"})
 
 
@@ -351,11 +351,18 @@ class FusedDecoder:
     """Serves steps of up to ``max_batch`` rows in one native call: decodes, and short
     prompts and extensions of a cached prefix (``max_new`` tokens), a row a token."""
 
-    # A sequence's new tokens the step takes, a row each. Over a bf16 pool on a CPU with
-    # AVX512-BF16, a sequence's rows (8 or more) attend together as prompts do (flash.h:
-    # K and V read once a block of rows, bf16 products); with AMX tiles the linears' tiles
-    # also sum over whole weights from 41 rows (amx.h); elsewhere each row reads its whole
-    # context, and past 16 rows that costs what the model's forward does. Default model,
+    # A sequence's new tokens the step takes, a row each; its rows (8 or more) attend
+    # together as prompts do, K and V read once a block of rows. Over a bf16 pool on a
+    # CPU with AVX512-BF16 on bf16 products (flash.h), and with AMX tiles the linears'
+    # tiles also sum over whole weights from 41 rows (amx.h); elsewhere in fp32
+    # (flash_f32.h), where past 32 rows the linears cost more than the model's forward
+    # (its GEMMs), unless every linear quantizes its rows to int8: the forward runs those
+    # on the step's own kernels (dpi8.h), and the step is ahead at any size. Default
+    # model, 2-core Ice Lake (VNNI, no bf16), fp32, over 1,104 cached tokens: gguf_a8 32
+    # / 128 / 512 tokens 48.7 / 182 / 824 against 65.8 / 218 / 889 ms, 64 decodes 124
+    # against 161, 127 decodes 314 against 335; gguf 32 / 64 / 128 tokens 97 / 185 / 309
+    # against 119 / 194 / 293; dense fp32 32 / 64 113.6 / 199 against 203 / 164. (Rows
+    # attended a row at a time, 16 gguf_a8 tokens cost 53 ms, now 22.) Default model,
     # bf16, over 1,104 cached tokens (bench/extend.py), fused step against the model:
     # 2-core Xeon, tiles: 32 tokens 17.2 against 24.2 ms, 64 tokens 26.0 against 37.2,
     # 128 tokens 41.7 against 51.9, 192 tokens 62.1 against 66.3, 256 tokens 82.2 against
@@ -369,10 +376,10 @@ class FusedDecoder:
     # shared the residual rows of such steps (cpu_step.c), 384 / 448 / 512 tokens 66.4 /
     # 78.8 / 82.5 against 82.3 / 88.5 / 99.5, 512 over 512 / 1,024 cached 111.9 / 143.1
     # against 123.8 / 148.0: up to the AMX platform's prefill budget a step.
-    MAX_NEW: ClassVar[int] = 512  # rows of one sequence on tiles
+    MAX_NEW: ClassVar[int] = 512  # rows of one sequence on tiles, or on int8 rows
     MAX_NEW_DOTS: ClassVar[int] = 32  # on AVX512-BF16's dot products
     MAX_NEW_DOTS_Q4: ClassVar[int] = 64  # there, over Q4_1 layers
-    MAX_NEW_ROWWISE: ClassVar[int] = 16
+    MAX_NEW_FP32: ClassVar[int] = 32
     # Rows a step by default (``fused_decode_max_batch`` -1): on tiles as above, decodes
     # of 48 / 64 / 128 sequences ran 1.34 / 1.33 / 1.18x the model's forward (level at
     # 192-256; dense bf16 weights, ``--quantization none``: 1.28 / 1.20 / 0.96x); on the
@@ -385,6 +392,7 @@ class FusedDecoder:
     # rows shared, 360 decodes 231.0 against 258.3, two prompts of 250 / 240 beside 8 / 32
     # decodes 87.4 / 106.2 against 102.4 / 115.0, 512 tokens beside 128 decodes 184.0
     # against 205.5: the prefill budget beside as many decodes as a step has at c=128.
+    # Where every linear takes int8 rows, as many (2-core Ice Lake: above).
     MAX_BATCH_TILES: ClassVar[int] = 640
     # A bf16 model's layers keep their weights as AMX's tiles too (2 bytes a weight; the
     # default model's 30 layers 202 MiB; left out where they would take over half the
@@ -416,15 +424,22 @@ class FusedDecoder:
         dots = step.kv_bf16 and step.weights.head_dim % 32 == 0 and level in _BF16_LEVELS
         lins = [w for x in step.weights.layers for w in x.lins()]
         q4 = dots and all(w.kind == BLOCK_KINDS["q4_1"] for w in lins)  # dpbf16.h's dp_q4_pass
-        if tiles:
+        # every linear on int8 rows, the forward's own kernels (where AVX512-BF16 runs
+        # larger batches on bf16 products or tiles, it does so beside the step's)
+        int8 = level not in _BF16_LEVELS and all(w.act_int8 for w in lins)
+        if tiles or int8:
             self.max_new = self.MAX_NEW
         elif dots:
             self.max_new = self.MAX_NEW_DOTS_Q4 if q4 else self.MAX_NEW_DOTS
         else:
-            self.max_new = self.MAX_NEW_ROWWISE
+            self.max_new = self.MAX_NEW_FP32
         if max_batch < 0:
             max_batch = (
-                self.MAX_BATCH_TILES if tiles else self.MAX_BATCH_DOTS_Q4 if q4 else self.MAX_BATCH
+                self.MAX_BATCH_TILES
+                if tiles or int8
+                else self.MAX_BATCH_DOTS_Q4
+                if q4
+                else self.MAX_BATCH
             )
         self.max_batch = max_batch
         self.threads = ThreadChooser()

@@ -57,6 +57,7 @@
 #if defined(__AVX512BF16__)
 #include "flash.h"
 #endif
+#include "flash_f32.h"
 #include "gemv.h"
 #include "lora.h"
 
@@ -405,12 +406,8 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
     const int64_t R = row_slots && M->lora ? M->lora_rank : 0; /* 0: no adapter this step */
     int windowed = 0; /* windows: no cascade */
     for (int64_t l = 0; l < M->num_layers; l++) windowed |= M->layers[l].window > 0;
-#if defined(__AVX512BF16__)
-    /* rows of one sequence over a bf16 pool attend together, as prompts do */
-    const int flash = store_first == 2 && M->kv_bf16 && D % 32 == 0;
-#else
-    const int flash = 0;
-#endif
+    /* rows of one sequence attend together, as prompts do (step_attention.h's flash_rows) */
+    const int flash = store_first == 2 && D % FF_KU == 0 && D <= FF_DMAX;
     if (R > LORA_MAX_RANK) return -1;
     const int64_t most = G < CASCADE_ROWS ? CASCADE_ROWS : G;
     if (store_first || windowed ||
@@ -641,7 +638,6 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                 }
                 if (store_first) { /* every row's key is in the pool: now they attend */
                     team_wait(&team, nt, &phase);
-#if defined(__AVX512BF16__)
                     /* the fp32 rows only where something reads them: the adapters,
                        or an o projection without tiles (a 512-token prompt's attention
                        ~14.9 -> ~12.6 ms, 2-core AMX Xeon) */
@@ -681,7 +677,6 @@ int actorlm_decode_step(const model_t *M, int64_t B, const int64_t *tokens, cons
                             }
                         }
                     } else
-#endif
                         for (int64_t task = att_lo; task < att_hi; task++) { /* a (row, KV head) */
                             const int64_t b = task / Hkv, h = task % Hkv;
                             attend_task(M, l, b, h, qkv, qkv_n, pages + b * table_stride,

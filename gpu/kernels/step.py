@@ -407,8 +407,9 @@ class DecodeStep:
         self._fn = lib.actorlm_decode_step
         self.weights = weights
         self.kv_bf16 = kv.dtype == torch.bfloat16
-        # a sequence's 8 or more new rows attend together on bf16 products (flash.h: the
-        # builds with AVX512-BF16, a bf16 pool, head sizes of 32s); False: a row at a time
+        # a sequence's 8 or more new rows attend together (step_attention.h's flash_rows:
+        # bf16 products where the build and pool have them, else fp32); False: a row at
+        # a time
         self.extend_flash = True
         self.vocab = weights.head.n
         norms = [

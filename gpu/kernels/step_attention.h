@@ -252,7 +252,6 @@ static void att_merge_task(const model_t *M, int64_t b, int64_t h, int64_t B,
     att_merge_parts(part_o + k * G * D, part_ml + k * 2 * G, parts, G, D, out);
 }
 
-#if defined(__AVX512BF16__)
 /* Fewer rows of a sequence attend a row at a time: the packing of K and V costs more
    than their re-reads (AMX: 2 / 4 new tokens over 1,104 cached: 10.4 / 11.8 ms a step
    on tiles, 8.6 / 10.9 a row at a time; level at 8) */
@@ -298,37 +297,57 @@ static int64_t part_row(int64_t n, int64_t start, int64_t part, int64_t parts) {
     return n;
 }
 
-/* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h
-   over a bf16 pool, on bf16 products as prompts run (flash.h): K and V are read once a
-   block for all the rows, where attend_task reads them once a row (q rounded to bf16
-   as flash.h gathers it). o16: the thread's scratch of n * G * D; the outputs into attn
-   (fp32, or NULL) and attn_b (bf16, or NULL), rows H * D apart. 0, or -1 (nothing
-   written: no scratch). */
+/* Rows r0 .. r0 + n of one sequence (new tokens at positions start ..) for KV head h,
+   together: K and V are read once a block for all the rows, where attend_task reads them
+   once a row. Over a bf16 pool in the builds with AVX512-BF16, on bf16 products as
+   prompts run (flash.h; q rounded to bf16 as it gathers it; o16: the thread's scratch
+   of n * G * D), else in fp32 (flash_f32.h). The outputs into attn (fp32, or NULL: the
+   bf16 products alone) and attn_b (bf16, or NULL), rows H * D apart. 0, or -1 (nothing
+   written: no scratch, or a head size neither takes). */
 static int flash_rows(const model_t *M, int64_t l, int64_t r0, int64_t n, int64_t h,
                       const float *qkv, int64_t qkv_n, const int64_t *pages, int64_t start,
                       uint16_t *o16, float *attn, uint16_t *attn_b) {
     const int64_t D = M->head_dim, G = M->heads / M->kv_heads;
     const int64_t GD = G * D, HD = M->heads * D;
-    fa_scratch sc;
-    char *buf = grow_buffer(&fa_buf, &fa_buf_bytes, fa_carve(NULL, G, D, &sc));
-    if (buf == NULL) return -1;
-    fa_carve(buf, G, D, &sc);
-    const uint16_t *kh = (const uint16_t *)kv_head(M, l, 0, h);
-    const uint16_t *vh = (const uint16_t *)kv_head(M, l, 1, h);
-    const int tiles = fa_tiles(D);
-    fa_tiles_on(tiles);
-    for (int64_t t0 = 0; t0 < n; t0 += FA_QB)
-        fa_task(qkv + r0 * qkv_n + h * GD, 1, qkv_n, kh, vh, pages, start, t0,
-                t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D, M->page_size, (float)M->scale,
-                M->layers[l].window, (float)M->softcap, o16, GD, &sc, tiles);
-    fa_tiles_off(tiles);
-    for (int64_t t = 0; t < n; t++) {
-        float *o = attn ? attn + (r0 + t) * HD + h * GD : NULL; /* NULL: bf16 alone */
-        for (int64_t j = 0; o && j < GD; j++) o[j] = bf16_f32(o16[t * GD + j]);
-        if (attn_b) memcpy(attn_b + (r0 + t) * HD + h * GD, o16 + t * GD, (size_t)GD * 2);
+#if defined(__AVX512BF16__)
+    if (M->kv_bf16 && D % 32 == 0) {
+        fa_scratch sc;
+        char *buf = grow_buffer(&fa_buf, &fa_buf_bytes, fa_carve(NULL, G, D, &sc));
+        if (buf == NULL) return -1;
+        fa_carve(buf, G, D, &sc);
+        const uint16_t *kh = (const uint16_t *)kv_head(M, l, 0, h);
+        const uint16_t *vh = (const uint16_t *)kv_head(M, l, 1, h);
+        const int tiles = fa_tiles(D);
+        fa_tiles_on(tiles);
+        for (int64_t t0 = 0; t0 < n; t0 += FA_QB)
+            fa_task(qkv + r0 * qkv_n + h * GD, 1, qkv_n, kh, vh, pages, start, t0,
+                    t0 + FA_QB < n ? t0 + FA_QB : n, 0, G, D, M->page_size, (float)M->scale,
+                    M->layers[l].window, (float)M->softcap, o16, GD, &sc, tiles);
+        fa_tiles_off(tiles);
+        for (int64_t t = 0; t < n; t++) {
+            float *o = attn ? attn + (r0 + t) * HD + h * GD : NULL; /* NULL: bf16 alone */
+            for (int64_t j = 0; o && j < GD; j++) o[j] = bf16_f32(o16[t * GD + j]);
+            if (attn_b) memcpy(attn_b + (r0 + t) * HD + h * GD, o16 + t * GD, (size_t)GD * 2);
+        }
+        return 0;
     }
+#else
+    (void)o16;
+#endif
+    ff_scratch sc;
+    if (D % FF_KU || D > FF_DMAX || ff_scratch_for(G, D, &sc)) return -1;
+    /* fp32 rows where attn is had, else the bf16 rows straight */
+    void *out = attn ? (void *)(attn + r0 * HD) : (void *)(attn_b + r0 * HD);
+    const int64_t qb = ff_tokens(G);
+    for (int64_t t0 = 0; t0 < n; t0 += qb)
+        ff_task(qkv + r0 * qkv_n, 0, qkv_n, kv_head(M, l, 0, h), kv_head(M, l, 1, h),
+                (int)M->kv_bf16, pages, M->page_size, start, t0, t0 + qb < n ? t0 + qb : n,
+                h, G, D, (float)M->scale, M->layers[l].window, (float)M->softcap, out, !attn,
+                HD, &sc);
+    for (int64_t t = 0; attn && attn_b && t < n; t++)
+        for (int64_t j = 0; j < GD; j++)
+            attn_b[(r0 + t) * HD + h * GD + j] = f32_bf16(attn[(r0 + t) * HD + h * GD + j]);
     return 0;
 }
-#endif
 
 #endif

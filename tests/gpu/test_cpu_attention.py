@@ -323,6 +323,36 @@ def test_bf16_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
         assert not torch.equal(got, fp32.forward(q, k, v, 1, meta))
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 2, 80), (8, 2, 12), (16, 2, 64)],
+)
+@pytest.mark.parametrize("level", LEVELS)
+def test_fp32_prefill_kernel_matches_sdpa_on_prompts_and_extensions(
+    heads: int, kv_heads: int, dim: int, level: str
+) -> None:
+    """An fp32 pool's prompts and chunks over a cached prefix take the kernel's fp32 path
+    (flash_f32.h: the rows along the vector lanes in chunks of 4, 3, 2 and 1 vectors,
+    blocks of 64 keys and their tails, masks only where a block meets the diagonal),
+    and give SDPA's result on the same values within fp32 rounding, in each ISA build:
+    prompts of 150 and 400 tokens, 70 over 40 cached, 2 over 300, 48 over 1,104."""
+    torch.manual_seed(5)
+    pool, meta, q, k, v = prefill_batch(
+        [0, 40, 300, 0, 1104], [150, 70, 2, 400, 48], heads, kv_heads, dim, torch.float32
+    )
+    ref = TorchNativeBackend(pool, heads, dim)
+    ref.init_forward_metadata(meta)
+    want = ref.forward(q, k, v, 1, meta)
+    ours = CpuBackend(pool, heads, dim)
+    ours._prefill_kernel = prefill_kernel(level)
+    ours.init_forward_metadata(meta)
+    takes = dim % 16 == 0
+    assert all(bool(p.kernel_args) == takes for p in meta.attn[0].prefills)
+    got = ours.forward(q, k, v, 1, meta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert takes == (not torch.equal(got, want))  # the kernel ran where it takes the size
+
+
 def test_bf16_prompts_take_the_tiles_on_amx() -> None:
     """On AMX CPUs cpu_prefill.c runs head sizes that are multiples of 64 on tiles, and
     torch's flash attention (oneDNN's tiles) the rest, over the kernel's fp32 path; both
