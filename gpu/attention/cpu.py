@@ -14,9 +14,10 @@ same shape (``attend.h``: K and V widened as read, q and the output through fp32
 and its prompts through ``cpu_prefill.c`` (bf16 products where the CPU has them,
 ``flash.h``: on AMX tiles, or AVX512-BF16's dot products; on AMX CPUs head sizes the
 tiles do not take run torch's flash attention, ``torch_prompts_faster``); an fp32
-pool's prompts run there too, in fp32 (``flash_f32.h``); that decode kernel also takes windows and soft-capped scores, over bf16 or fp32 pages, so
-capped decodes of either pool run it (Gemma 2's decodes at batch 32 spent ~1.5 ms
-a layer in the torch path's gather, cap and softmax). That kernel also attends in a
+pool's prompts run there too, in fp32 (``flash_f32.h``); that decode kernel also
+takes windows and soft-capped scores, over bf16 or fp32 pages, so capped decodes of
+either pool run it (Gemma 2's decodes at batch 32 spent ~1.5 ms a layer in the torch
+path's gather, cap and softmax). That kernel also attends in a
 cascade (``kernels/step.py``'s ``Cascade``): decodes whose tables begin in the same pages
 read them once for a chunk of rows. Anything the kernels do not
 cover (other dtypes or devices, no C compiler, windowed or capped prompts) takes the
