@@ -228,6 +228,25 @@ def test_a8_step_of_ragged_sequences_matches_the_model(
     assert err <= 0.03 * scale, (err, scale)
 
 
+@needs_int8
+def test_a8_steps_take_whole_prompts_off_the_bf16_levels(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Over an fp32 pool, where every linear takes int8 rows and no bf16 products run,
+    the forward runs those rows on the step's own kernels, so the step takes a
+    sequence's 512 new tokens and steps of 640 rows, as on AMX tiles; the same blocks on
+    fp32 rows keep 32 (the forward's GEMMs win past that)."""
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    a8, fp32 = (make_runner(path, quantization=q).fused for q in ("gguf_a8", "gguf"))
+    assert a8 is not None and fp32 is not None
+    bf16 = a8.isa in ("avx512bf16", "amx")
+    want = (FusedDecoder.MAX_NEW_FP32, FusedDecoder.MAX_BATCH) if bf16 else (512, 640)
+    assert (a8.max_new, a8.max_batch) == want
+    assert (fp32.max_new, fp32.max_batch) == (FusedDecoder.MAX_NEW_FP32, FusedDecoder.MAX_BATCH)
+    prompt = [SeqSpec(list(range(3, 303)), 0, list(range(19)))]
+    assert a8.accepts(prompt) != bf16 and not fp32.accepts(prompt)
+
+
 @pytest.mark.parametrize("method", ["gguf_a8", "q4_1_a8", "q8_0_a8"])
 def test_a8_methods_refuse_a_cpu_without_the_int8_kernels(
     monkeypatch: pytest.MonkeyPatch, method: str
