@@ -270,11 +270,29 @@ static void gate_up_silu(const lin_t *L, const float *xn, int64_t B, int64_t hid
 #else
     (void)act_read;
 #endif
+    int8_t *qx = NULL;
+#if defined(ACTORLM_INT8)
+    /* int8 rows: xn quantized once for every chunk's gate and up columns, where each
+       lin_cols quantized all of it again (a 256-token prompt of the default model in
+       the avx512vnni build, fp32, on a 2-core Zen 4: 143.4 -> 138.6 ms) */
+    float *dx = NULL, *sx = NULL;
+    if (i8_first(L, B) && i8_scratch_for(B, hidden, &qx, &dx, &sx) == 0)
+        i8_quantize(L, xn, 0, B, hidden, qx, dx, sx);
+    else
+        qx = NULL;
+#endif
     for (int64_t c = c0; c < c1; c += SILU_CHUNK) {
         const int64_t w = c1 - c < SILU_CHUNK ? c1 - c : SILU_CHUNK;
         /* lin_cols writes y[r * ys + col]: point y so column c lands at tg[0] */
-        lin_cols(L, xn, B, hidden, c, c + w, tg - c, w);
-        lin_cols(L, xn, B, hidden, inter + c, inter + c + w, tu - (inter + c), w);
+        if (qx != NULL) {
+#if defined(ACTORLM_INT8)
+            i8_cols_q(L, qx, dx, sx, B, c, c + w, tg - c, w);
+            i8_cols_q(L, qx, dx, sx, B, inter + c, inter + c + w, tu - (inter + c), w);
+#endif
+        } else {
+            lin_cols(L, xn, B, hidden, c, c + w, tg - c, w);
+            lin_cols(L, xn, B, hidden, inter + c, inter + c + w, tu - (inter + c), w);
+        }
         if (ll) {
             lora_adds(&ll[LORA_GATE], row_slots, u_gu, 2 * R, tg, w, c, c + w, 0, B);
             lora_adds(&ll[LORA_UP], row_slots, u_gu + R, 2 * R, tu, w, c, c + w, 0, B);

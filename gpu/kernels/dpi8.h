@@ -30,15 +30,25 @@
 
 #define I8_ROWS 8 /* rows of x a pass: 2 accumulators a row (int32 and fp32) and spares */
 
+/* 16 values of x from element i on, as fp32: x fp32, or bf16 widened */
+static inline __m512 i8_load16(const void *x, int64_t i, const int bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
 /* Row r's blocks quantized: qx [M][K] (signed, or + 128 unsigned when `u8`), their
-   scales dx [M][K/32] and dx * sum_k qx (sx, the signed sums). */
-static void i8_quantize_rows(const float *x, int64_t M, int64_t xs, int64_t K, int8_t *qx,
-                             float *dx, float *sx, const int u8) {
+   scales dx [M][K/32] and dx * sum_k qx (sx, the signed sums). x is fp32, or bf16 where
+   `bf16`; xs its row stride in elements. */
+static void i8_quantize_rows(const void *x, const int bf16, int64_t M, int64_t xs, int64_t K,
+                             int8_t *qx, float *dx, float *sx, const int u8) {
     const int64_t nb = K / QK;
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *p = x + r * xs + b * QK;
-            const __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+            const int64_t i = r * xs + b * QK;
+            const __m512 v0 = i8_load16(x, i, bf16), v1 = i8_load16(x, i + 16, bf16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
@@ -53,6 +63,12 @@ static void i8_quantize_rows(const float *x, int64_t M, int64_t xs, int64_t K, i
             dx[r * nb + b] = d;
             sx[r * nb + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         }
+}
+
+/* M rows of x quantized as L's int8 passes read them */
+static inline void i8_quantize(const lin_t *L, const void *x, const int bf16, int64_t M,
+                               int64_t xs, int8_t *qx, float *dx, float *sx) {
+    i8_quantize_rows(x, bf16, M, xs, L->k, qx, dx, sx, L->kind != LIN_Q4_1);
 }
 
 /* x's 4 bytes at p, in every lane */
@@ -172,17 +188,12 @@ static inline __attribute__((always_inline)) void i8_q8_pass(
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ys, lanes, a[r]);
 }
 
-/* Groups [g0, g1) of a block weight, all M rows of x; 0, or -1 when the scratch could
-   not be had (the caller then takes another path). */
-static int i8_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
-                          int64_t g1, float *y, int64_t ys) {
+/* Groups [g0, g1) of a block weight, all M rows of x as i8_quantize left them. */
+static void i8_blocks_cols_q(const lin_t *L, const int8_t *qx, const float *dx, const float *sx,
+                             int64_t M, int64_t g0, int64_t g1, float *y, int64_t ys) {
     const int q4 = L->kind == LIN_Q4_1;
     const uint8_t *q = (const uint8_t *)L->w;
     const int64_t K = L->k, nb = K / QK, N = L->n;
-    int8_t *qx;
-    float *dx, *sx;
-    if (i8_scratch_for(M, K, &qx, &dx, &sx)) return -1;
-    i8_quantize_rows(x, M, xs, K, qx, dx, sx, !q4);
     const int64_t rows = even_part(M, I8_ROWS);
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n0 = g * GROUP, w = N - n0 < GROUP ? N - n0 : GROUP;
@@ -205,7 +216,6 @@ static int i8_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
                 }
         }
     }
-    return 0;
 }
 
 #endif

@@ -20,10 +20,20 @@
 
 #define I8_ROWS 4 /* rows of x a pass: 2 accumulators a row of 16 registers */
 
+/* 8 values of x from element i on, as fp32: x fp32, or bf16 widened */
+static inline __m256 i8_load8(const void *x, int64_t i, const int bf16) {
+    if (bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
 /* Row r's blocks quantized: qx [M][K] (each 4 bytes as k, k + 2, k + 1, k + 3 when
-   `q4`), their scales dx [M][K/32] and dx * sum_k qx (sx). */
-static void i8_quantize_rows(const float *x, int64_t M, int64_t xs, int64_t K, int8_t *qx,
-                             float *dx, float *sx, const int q4) {
+   `q4`), their scales dx [M][K/32] and dx * sum_k qx (sx). x is fp32, or bf16 where
+   `bf16`; xs its row stride in elements. */
+static void i8_quantize_rows(const void *x, const int bf16, int64_t M, int64_t xs, int64_t K,
+                             int8_t *qx, float *dx, float *sx, const int q4) {
     const int64_t nb = K / QK;
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' lanes */
     const __m256i swap = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
@@ -31,10 +41,10 @@ static void i8_quantize_rows(const float *x, int64_t M, int64_t xs, int64_t K, i
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *p = x + r * xs + b * QK;
+            const int64_t at = r * xs + b * QK;
             __m256 v[4], m = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(p + 8 * i);
+                v[i] = i8_load8(x, at + 8 * i, bf16);
                 m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
             }
             __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -54,6 +64,12 @@ static void i8_quantize_rows(const float *x, int64_t M, int64_t xs, int64_t K, i
             dx[r * nb + b] = d;
             sx[r * nb + b] = d * (float)_mm_cvtsi128_si32(s);
         }
+}
+
+/* M rows of x quantized as L's int8 passes read them */
+static inline void i8_quantize(const lin_t *L, const void *x, const int bf16, int64_t M,
+                               int64_t xs, int8_t *qx, float *dx, float *sx) {
+    i8_quantize_rows(x, bf16, M, xs, L->k, qx, dx, sx, L->kind == LIN_Q4_1);
 }
 
 static inline __m256i i8_x4(const int8_t *p) { return _mm256_set1_epi32(*(const int32_t *)p); }
@@ -127,17 +143,12 @@ static inline __attribute__((always_inline)) void i8_half_pass(
     }
 }
 
-/* Groups [g0, g1) of a block weight, all M rows of x; 0, or -1 when the scratch could
-   not be had. */
-static int i8_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
-                          int64_t g1, float *y, int64_t ys) {
+/* Groups [g0, g1) of a block weight, all M rows of x as i8_quantize left them. */
+static void i8_blocks_cols_q(const lin_t *L, const int8_t *qx, const float *dx, const float *sx,
+                             int64_t M, int64_t g0, int64_t g1, float *y, int64_t ys) {
     const int q4 = L->kind == LIN_Q4_1;
     const uint8_t *q = (const uint8_t *)L->w;
     const int64_t K = L->k, nb = K / QK, N = L->n;
-    int8_t *qx;
-    float *dx, *sx;
-    if (i8_scratch_for(M, K, &qx, &dx, &sx)) return -1;
-    i8_quantize_rows(x, M, xs, K, qx, dx, sx, q4);
     const int64_t rows = even_part(M, I8_ROWS);
     for (int64_t g = g0; g < g1; g++)
         for (int h = 0; h < 2; h++) {
@@ -158,7 +169,6 @@ static int i8_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs,
                 }
             }
         }
-    return 0;
 }
 
 #endif

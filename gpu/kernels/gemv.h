@@ -259,16 +259,21 @@ static inline void dp_prefetch(const int q4, const uint8_t *q, const uint16_t *d
 #include "amx.h"
 #endif
 #if defined(__AVX2__)
-/* The thread's scratch for x quantized to int8 (dpi8.h, dpi8_avx2.h): the codes qx
-   [M][K], then their scales dx and sums sx [M][K/32]; 0, or -1 when it could not be had */
-static __thread void *i8_scratch;
-static __thread size_t i8_scratch_bytes;
-static int i8_scratch_for(int64_t M, int64_t K, int8_t **qx, float **dx, float **sx) {
+/* Scratch for x quantized to int8 (dpi8.h, dpi8_avx2.h), in *have (grown to fit): the
+   codes qx [M][K], then their scales dx and sums sx [M][K/32]; 0, or -1 when it could
+   not be had. i8_scratch_for: the calling thread's own. */
+static int i8_scratch_in(void **have, size_t *have_bytes, int64_t M, int64_t K, int8_t **qx,
+                         float **dx, float **sx) {
     const size_t qx_bytes = ((size_t)(M * K) + 63) / 64 * 64, s_bytes = (size_t)(M * (K / QK)) * 4;
-    char *buf = grow_buffer(&i8_scratch, &i8_scratch_bytes, qx_bytes + 2 * s_bytes);
+    char *buf = grow_buffer(have, have_bytes, qx_bytes + 2 * s_bytes);
     if (buf == NULL) return -1;
     *qx = (int8_t *)buf, *dx = (float *)(buf + qx_bytes), *sx = *dx + M * (K / QK);
     return 0;
+}
+static __thread void *i8_scratch;
+static __thread size_t i8_scratch_bytes;
+static int i8_scratch_for(int64_t M, int64_t K, int8_t **qx, float **dx, float **sx) {
+    return i8_scratch_in(&i8_scratch, &i8_scratch_bytes, M, K, qx, dx, sx);
 }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -283,6 +288,47 @@ static int i8_scratch_for(int64_t M, int64_t K, int8_t **qx, float **dx, float *
    Q4_1 3072x576 int8 ahead at 8 rows (0.025 against 0.031 ms), the tiles from 10
    (0.029 against 0.033) to 512 (2.3x); the Q8_0 49152x576 head level at 24 rows */
 #define I8_AMX_MIN_ROWS(kind) ((kind) == LIN_Q8_0 ? 25 : 9)
+
+/* y[:, c0:c1] += the bias, where L has one */
+static inline void add_bias(const lin_t *L, int64_t M, int64_t c0, int64_t c1, float *y, int64_t ys) {
+    if (L->bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = c0; c < c1; c++) y[r * ys + c] += L->bias[c];
+}
+
+#if defined(ACTORLM_INT8)
+/* Whether blocks_cols takes M rows of L to the int8 dot products first (the AMX build
+   tries its tiles first for bf16 rows from I8_AMX_MIN_ROWS). */
+static inline int i8_first(const lin_t *L, int64_t M) {
+    if (!L->act_int8 || M <= 0 || (L->kind != LIN_Q4_1 && L->kind != LIN_Q8_0)) return 0;
+#if defined(__AMX_BF16__)
+    if (L->act_bf16 && M >= I8_AMX_MIN_ROWS(L->kind)) return 0;
+#endif
+    return 1;
+}
+
+/* Columns [c0, c1) (c0 a group's first) of a block weight, bias added, all M rows of x
+   as i8_quantize left them */
+static void i8_cols_q(const lin_t *L, const int8_t *qx, const float *dx, const float *sx,
+                      int64_t M, int64_t c0, int64_t c1, float *y, int64_t ys) {
+    if (c1 <= c0) return;
+    i8_blocks_cols_q(L, qx, dx, sx, M, c0 / GROUP, (c1 + GROUP - 1) / GROUP, y, ys);
+    add_bias(L, M, c0, c1, y, ys);
+}
+
+/* Groups [g0, g1) of a block weight, all M rows of fp32 x quantized on this thread into
+   its scratch; 0, or -1 when the scratch could not be had (the caller then takes
+   another path). */
+static int i8_blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
+                          int64_t g1, float *y, int64_t ys) {
+    int8_t *qx;
+    float *dx, *sx;
+    if (i8_scratch_for(M, L->k, &qx, &dx, &sx)) return -1;
+    i8_quantize(L, x, 0, M, xs, qx, dx, sx);
+    i8_blocks_cols_q(L, qx, dx, sx, M, g0, g1, y, ys);
+    return 0;
+}
+#endif
 
 /* Groups [g0, g1) of a block weight, all M rows of x. */
 static void blocks_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int64_t g0,
@@ -456,9 +502,7 @@ static void lin_cols(const lin_t *L, const float *x, int64_t M, int64_t xs, int6
         case LIN_F16: dense_cols_kind(LIN_F16, L, x, M, xs, c0, c1, y, ys); break;
         default: dense_cols_kind(LIN_F32, L, x, M, xs, c0, c1, y, ys); break;
     }
-    if (L->bias)
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t c = c0; c < c1; c++) y[r * ys + c] += L->bias[c];
+    add_bias(L, M, c0, c1, y, ys);
 }
 
 #endif
