@@ -18,6 +18,7 @@ from actorlm.gpu.fused_decode import FusedDecoder
 from actorlm.gpu.kernels import qgemm
 from actorlm.gpu.kernels.qgemm import QK, int8_ready, lin_blocks, linear, native_qgemm, pack
 from actorlm.gpu.quantization import QUANTIZATION_METHODS, GGUFLinear
+from actorlm.gpu.runner import ModelRunner
 
 from ..helpers import (
     PROMPT_A,
@@ -246,22 +247,59 @@ def test_a8_step_of_ragged_sequences_matches_the_model(
 
 
 @needs_int8
-def test_a8_steps_take_whole_prompts_off_the_bf16_levels(
+def test_a8_steps_take_whole_prompts_off_amx(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """Over an fp32 pool, where every linear takes int8 rows and no bf16 products run,
-    the forward runs those rows on the step's own kernels, so the step takes a
-    sequence's 512 new tokens and steps of 640 rows, as on AMX tiles; the same blocks on
-    fp32 rows keep 32 (the forward's GEMMs win past that)."""
+    """Where every linear takes int8 rows the forward runs them on the step's own
+    kernels at any row count, so the step takes a sequence's 512 new tokens and steps
+    of 640 rows, over fp32 and bf16 pools alike; but on AMX, whose tiles take bf16 rows
+    from 9 (there a bf16 pool's step takes them on its tiles, an fp32 pool's 32 rows).
+    The same blocks on fp32 rows keep 32 (the forward's GEMMs win past that)."""
     path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
-    a8, fp32 = (make_runner(path, quantization=q).fused for q in ("gguf_a8", "gguf"))
-    assert a8 is not None and fp32 is not None
-    bf16 = a8.isa in ("avx512bf16", "amx")
-    want = (FusedDecoder.MAX_NEW_FP32, FusedDecoder.MAX_BATCH) if bf16 else (512, 640)
+    a8, a8_bf16, fp32 = (
+        make_runner(path, quantization=q, dtype=d).fused
+        for q, d in (("gguf_a8", "float32"), ("gguf_a8", "bfloat16"), ("gguf", "float32"))
+    )
+    assert a8 is not None and a8_bf16 is not None and fp32 is not None
+    amx = a8.isa == "amx"
+    want = (FusedDecoder.MAX_NEW_FP32, FusedDecoder.MAX_BATCH) if amx else (512, 640)
     assert (a8.max_new, a8.max_batch) == want
+    assert (a8_bf16.max_new, a8_bf16.max_batch) == (512, 640)
     assert (fp32.max_new, fp32.max_batch) == (FusedDecoder.MAX_NEW_FP32, FusedDecoder.MAX_BATCH)
     prompt = [SeqSpec(list(range(3, 303)), 0, list(range(19)))]
-    assert a8.accepts(prompt) != bf16 and not fp32.accepts(prompt)
+    assert a8.accepts(prompt) != amx and a8_bf16.accepts(prompt) and not fp32.accepts(prompt)
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a8_prompt_beside_decodes_in_one_fused_step_matches_the_model(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, dtype: str
+) -> None:
+    """A 300-token prompt beside three decodes, on int8 rows, as one fused step where
+    the step takes it, against the model's forward: in bf16 within 3% of the scale
+    (the forward rounds to bf16 between linears), in fp32 within 1e-5 of it."""
+    path = _block_model(tiny_model_factory("llama"), tmp_path / "blocks")
+    opts = {"dtype": dtype, "quantization": "gguf_a8", "num_pages": 64}
+    g = torch.Generator().manual_seed(11)
+    shorts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 9, 13)]
+    prompt = torch.randint(3, 1000, (300,), generator=g).tolist()
+    nexts = torch.randint(3, 1000, (3,), generator=g).tolist()
+
+    def logits(runner: ModelRunner) -> torch.Tensor:
+        runner.run([SeqSpec(p, 0, [i]) for i, p in enumerate(shorts)])
+        step = [
+            SeqSpec([t], len(p), [i]) for i, (p, t) in enumerate(zip(shorts, nexts, strict=True))
+        ]
+        step.append(SeqSpec(prompt, 0, list(range(3, 22))))
+        if runner.fused is not None and runner.fused.isa != "amx":
+            assert runner.fused.accepts(step)
+        return runner.run(step)
+
+    got = logits(make_runner(path, **opts))
+    want = logits(make_runner(path, fused_decode_max_batch=0, **opts))
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= (0.03 if dtype == "bfloat16" else 1e-5) * scale, (err, scale)
 
 
 @pytest.mark.parametrize("method", ["gguf_a8", "q4_1_a8", "q8_0_a8"])
