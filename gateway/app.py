@@ -7,6 +7,7 @@ traceback and answered 500 without details; the server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -73,8 +74,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status < 400:
             raise
         response = error_response(_from_http_exception(request, exc))
-    except (ConnectionResetError, ConnectionError):
-        # The client went away mid-stream; there is nobody to answer.
+    except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+        # The client went away mid-stream (aiohttp cancels the handler of a closed
+        # connection: handler_cancellation); there is nobody to answer.
         state.metrics.http_requests.labels(route=_route_label(request), status="499").inc()
         raise
     except Exception:

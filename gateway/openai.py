@@ -25,8 +25,8 @@ from .tools import ToolCallStream, parse_tool_calls
 __all__ = ["chat_completions", "completions", "list_models", "routes"]
 
 
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
+def _bytes(token: str, raw: bytes) -> list[int]:
+    return list(raw or token.encode("utf-8", errors="replace"))
 
 
 def chat_logprob_entries(items: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -34,21 +34,42 @@ def chat_logprob_entries(items: list[TokenLogprob]) -> list[dict[str, Any]]:
         {
             "token": lp.token,
             "logprob": lp.logprob,
-            "bytes": _bytes(lp.token),
+            "bytes": _bytes(lp.token, lp.raw),
             "top_logprobs": [
-                {"token": t, "logprob": v, "bytes": _bytes(t)} for t, _id, v in lp.top
+                {"token": t, "logprob": v, "bytes": _bytes(t, raw)}
+                for (t, _id, v), raw in zip(lp.top, lp.top_raw or [b""] * len(lp.top), strict=True)
             ],
         }
         for lp in items
     ]
 
 
+def _continues(raw: bytes) -> bool:
+    """Whether raw starts inside a UTF-8 character (a continuation byte)."""
+    return bool(raw) and raw[0] & 0xC0 == 0x80
+
+
+def _chars_begun(raw: bytes) -> int:
+    """Characters whose first byte is in raw."""
+    return sum(1 for b in raw if b & 0xC0 != 0x80)
+
+
 def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The legacy completions shape; ``offset`` is where this text starts in the choice."""
+    """The legacy completions shape; ``offset`` is where this text starts in the choice.
+    A token's ``text_offset`` is where its first character starts in the text: tokens
+    holding parts of one character (shown as "\ufffd") share that character's offset."""
     offsets = []
+    begun = False  # whether a character started in these tokens is still open
     for lp in items:
-        offsets.append(offset)
-        offset += len(lp.token)
+        if not lp.raw:
+            offsets.append(offset)
+            offset += len(lp.token)
+            continue
+        # A continuation of a character begun here sits at that character (one back);
+        # of one begun in an earlier delta (its text held back), at this text's start.
+        offsets.append(offset - 1 if _continues(lp.raw) and begun else offset)
+        offset += _chars_begun(lp.raw)
+        begun = begun or _chars_begun(lp.raw) > 0
     return {
         "tokens": [lp.token for lp in items],
         "token_logprobs": [lp.logprob for lp in items],

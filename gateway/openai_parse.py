@@ -79,14 +79,17 @@ def _with_adapter(job: Job) -> list[GenerateRequest]:
     return [msgspec.structs.replace(r, lora_path=job.lora_path) for r in job.reqs]
 
 
-def _max_tokens(f: Fields, keys: tuple[str, ...], default: int, limits: ModelLimits) -> int:
+def _max_tokens(
+    f: Fields, keys: tuple[str, ...], default: int, limits: ModelLimits
+) -> tuple[int, bool]:
+    """The request's max_tokens, and whether it is our default (then fit to the prompt)."""
     for key in keys:
         value = f.int(key)
         if value is not None:
             if value < 1:
                 raise ApiError(400, f"{key} must be >= 1, got {value}", param=key)
-            return value
-    return min(default, limits.max_model_len)
+            return value, False
+    return min(default, limits.max_model_len), True
 
 
 def _reject_unsupported(f: Fields, n: int) -> None:
@@ -116,11 +119,10 @@ def _prompts(f: Fields) -> list[dict[str, Any]]:
         raise bad
     if all(isinstance(v, str) for v in value):
         return [{"text": v} for v in value]
-    ints = Fields({"ids": value})
-    if all(isinstance(v, int) for v in value):
-        return [{"input_ids": ints.int_list("ids")}]
+    if all(isinstance(v, int) for v in value):  # bool is an int: int_list refuses it
+        return [{"input_ids": f.int_list("prompt")}]
     if all(isinstance(v, list) and v for v in value):
-        return [{"input_ids": Fields({"ids": v}).int_list("ids")} for v in value]
+        return [{"input_ids": Fields({"prompt": v}).int_list("prompt")} for v in value]
     raise bad
 
 
@@ -131,11 +133,11 @@ def parse_completion(body: Any, state: GatewayState) -> Job:
     prompts = _prompts(f)
     top = f.int("logprobs")
     job.logprobs = top is not None
-    max_tokens = _max_tokens(f, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS, state.limits)
+    max_tokens, fit = _max_tokens(f, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS, state.limits)
     sampling = openai_sampling(
         f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
     )
-    sampling = msgspec.structs.replace(sampling, **response_format(f))
+    sampling = msgspec.structs.replace(sampling, fit_context=fit, **response_format(f))
     sampling = checked_sampling(sampling, state.limits)
     job.reqs = fan_out(job.id, sampling, prompts, job.n, limit=state.config.server.max_n)
     job.reqs = _with_adapter(job)
@@ -251,12 +253,13 @@ def parse_chat(body: Any, state: GatewayState) -> Job:
     top = f.int("top_logprobs")
     if top is not None and not job.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    max_tokens = _max_tokens(
+    max_tokens, fit = _max_tokens(
         f, ("max_completion_tokens", "max_tokens"), CHAT_DEFAULT_MAX_TOKENS, state.limits
     )
     sampling = openai_sampling(
         f, max_tokens=max_tokens, logprobs=job.logprobs, top_logprobs=top or 0
     )
+    sampling = msgspec.structs.replace(sampling, fit_context=fit)
     template_kwargs = _template_kwargs(f, state)
     if plan is not None:
         template_kwargs["tools"] = plan.template_tools

@@ -261,7 +261,7 @@ def openai_sampling(
 def native_sampling(f: Fields | None) -> SamplingParams:
     """SamplingParams from SGLang's ``sampling_params`` dict; unknown names are an error."""
     if f is None:
-        return SamplingParams()
+        return SamplingParams(fit_context=True)
     unknown = sorted(set(f.body) - set(NATIVE_SAMPLING_NAMES))
     if unknown:
         raise ApiError(
@@ -270,7 +270,7 @@ def native_sampling(f: Fields | None) -> SamplingParams:
             f"supported: {', '.join(NATIVE_SAMPLING_NAMES)}",
             param="sampling_params",
         )
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"fit_context": not f.present("max_new_tokens")}
     for key in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
         if f.present(key):
             kwargs[key] = f.int(key)

@@ -107,10 +107,14 @@ class TokenBatch(Message, frozen=True, kw_only=True):
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
-    token: str
+    token: str  # display text: "\ufffd" for a token holding part of a character
     token_id: int
     logprob: float
     top: list[tuple[str, int, float]] = []
+    # The raw bytes of the token and of each of ``top`` (OpenAI's ``bytes``): exact where
+    # a token is part of a UTF-8 character. Empty: not known (the text's UTF-8 is used).
+    raw: bytes = b""
+    top_raw: list[bytes] = []
 
 
 class Usage(msgspec.Struct, frozen=True, array_like=True):

@@ -35,6 +35,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     max_new_tokens: int = 128
+    # max_new_tokens is a default the client did not ask for: where prompt plus it
+    # passes the context, the tokenizer lowers it to what the prompt leaves (vLLM's
+    # OpenAI server fills an omitted max_tokens so) rather than refusing the request.
+    fit_context: bool = False
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
+
 from ...config import EngineConfig
 from ...messages.cache import CacheEvents
 from ...messages.control import DrainReplica, ErrorReply, GetInfo, Info
@@ -307,6 +309,9 @@ class TokenizerActor(Actor):
             raise RequestError("the prompt is empty")
         limit = self.max_model_len
         if limit and len(ids) + sp.max_new_tokens > limit:
+            room = limit - len(ids)
+            if sp.fit_context and room >= max(1, sp.min_new_tokens):
+                return msgspec.structs.replace(sp, max_new_tokens=room)  # our default, fit
             raise RequestError(
                 f"this model's maximum context length is {limit} tokens; the request has "
                 f"{len(ids)} prompt tokens and asks for {sp.max_new_tokens} new tokens "

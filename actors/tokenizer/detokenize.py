@@ -285,10 +285,8 @@ def token_logprobs(
     logprobs: Sequence[float] | None,
     top_logprobs: Sequence[Sequence[TopLogprob]] | None = None,
 ) -> list[TokenLogprob] | None:
-    """``TokenLogprob``s for one delta, token strings as OpenAI shows them (``token_text``).
-
-    Raw bytes, for OpenAI's ``bytes`` field, come from ``tokenizer.token_bytes``.
-    """
+    """``TokenLogprob``s for one delta, token strings as OpenAI shows them (``token_text``)
+    and their raw bytes (``token_bytes``, OpenAI's ``bytes`` field)."""
     if logprobs is None:
         return None
     tops = top_logprobs or [[] for _ in token_ids]
@@ -300,6 +298,8 @@ def token_logprobs(
             token_id=tid,
             logprob=lp,
             top=[(text[t.token_id], t.token_id, t.logprob) for t in alts],
+            raw=tokenizer.token_bytes(tid),
+            top_raw=[tokenizer.token_bytes(t.token_id) for t in alts],
         )
         for tid, lp, alts in zip(token_ids, logprobs, tops, strict=True)
     ]

@@ -83,8 +83,10 @@ class TextTokenizer:
 
             self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._unicode_to_byte = _gpt2_unicode_to_byte() if self._byte_level else {}
-        # Token strings for logprobs, filled lazily; dict writes are atomic under the GIL.
+        # Token strings and bytes for logprobs, filled lazily; dict writes are atomic
+        # under the GIL.
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     # -- encoding ---------------------------------------------------------------
 
@@ -191,6 +193,12 @@ class TextTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (OpenAI's logprob ``bytes``): exact even when
         the token is only part of a UTF-8 character."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = self._raw_bytes(token_id)
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> bytes:
         if token_id in self.special_ids:
             return self.token_text(token_id).encode()
         piece = self.convert_ids_to_tokens([token_id])[0]

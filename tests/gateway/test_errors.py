@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -90,6 +91,22 @@ def test_prompt_too_long_names_the_limits(server: Server) -> None:
     assert "2040" in body["error"]["message"]
 
 
+def test_an_omitted_max_tokens_fits_what_the_prompt_leaves(server: Server) -> None:
+    # 2,040 of the 2,048 tokens: the default (16 for completions, 128 for chat and
+    # /generate) is lowered to the 8 left, where an asked-for 20 is refused above.
+    status, body, _ = call(
+        server, "POST", "/v1/completions", json={"prompt": [5] * 2040, "ignore_eos": True}
+    )
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["choices"][0]["finish_reason"] == "length"
+    native = {"input_ids": [5] * 2045, "sampling_params": {"ignore_eos": True}}
+    status, body, _ = call(server, "POST", "/generate", json=native)
+    assert status == 200 and body["meta_info"]["completion_tokens"] == 3, body
+    status, body, _ = call(server, "POST", "/generate", json={"input_ids": [5] * 2048})
+    assert_error(status, body, 400, "2048")  # nothing left for an answer
+
+
 def test_body_too_large(server: Server) -> None:
     status, body, _ = call(server, "POST", "/v1/completions", data=b"x" * (9 * 1024 * 1024))
     assert_error(status, body, 413)
@@ -135,7 +152,17 @@ def _engine_idle(server: Server) -> dict[str, Any]:
     return info
 
 
+def _left_mid_stream(server: Server) -> float:
+    """``actorlm_http_requests_total`` of completions whose client left (status 499)."""
+    status, text, _ = call(server, "GET", "/metrics")
+    assert status == 200
+    m = re.search(r'http_requests_total\{route="/v1/completions",status="499"\} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_disconnect_aborts_and_frees_pages(server: Server) -> None:
+    left = _left_mid_stream(server)
+
     async def read_a_little_then_leave() -> int:
         body = {
             "model": server.model,
@@ -175,6 +202,7 @@ def test_disconnect_aborts_and_frees_pages(server: Server) -> None:
     assert status == 200 and body["success"], body
     cache = _engine_idle(server)["stats"]["cache_manager"]
     assert cache["pages_used"] == 0, cache
+    assert _left_mid_stream(server) == left + 1  # counted as the client leaving
 
 
 def test_fuzzed_bodies_never_500(server: Server) -> None:

@@ -6,7 +6,13 @@ import pytest
 from actorlm.config import EngineConfig, LoraConfig, ModelConfig
 from actorlm.gateway.errors import ApiError
 from actorlm.gateway.native import parse_generate
-from actorlm.gateway.openai import Choice, chunk, completion_logprobs, full_response
+from actorlm.gateway.openai import (
+    Choice,
+    chat_logprob_entries,
+    chunk,
+    completion_logprobs,
+    full_response,
+)
 from actorlm.gateway.openai_parse import parse_chat, parse_completion
 from actorlm.gateway.params import ModelLimits
 from actorlm.gateway.state import GatewayState
@@ -51,6 +57,11 @@ def test_completion_token_prompts_and_defaults(state: GatewayState) -> None:
     job = parse_completion({"prompt": [1, 2, 3]}, state)
     assert job.reqs[0].input_ids == [1, 2, 3]
     assert job.reqs[0].sampling.max_new_tokens == 16  # OpenAI's default for completions
+    assert job.reqs[0].sampling.fit_context  # a default: lowered to what the prompt leaves
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat(chat, state).reqs[0].sampling.fit_context
+    asked = parse_chat({**chat, "max_tokens": 5}, state).reqs[0].sampling
+    assert (asked.max_new_tokens, asked.fit_context) == (5, False)
     job = parse_completion({"prompt": [[1], [2, 3]], "logprobs": 3}, state)
     assert [r.input_ids for r in job.reqs] == [[1], [2, 3]]
     assert job.reqs[0].sampling.logprobs and job.reqs[0].sampling.top_logprobs == 3
@@ -102,6 +113,12 @@ def test_completion_errors(state: GatewayState, body: object, status: int, needl
     assert needle in err.message
     payload = err.payload()["error"]
     assert set(payload) >= {"message", "type", "code"}
+
+
+@pytest.mark.parametrize("prompt", [[True], [1, "a"], [[1], [2.5]]])
+def test_bad_token_prompts_name_the_prompt(state: GatewayState, prompt: object) -> None:
+    err = _err(parse_completion, {"prompt": prompt}, state)
+    assert err.status == 400 and err.param == "prompt", err.payload()
 
 
 @pytest.mark.parametrize(
@@ -187,6 +204,19 @@ def test_response_shapes(state: GatewayState) -> None:
         "total_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 1},
     }
+
+
+def test_logprob_bytes_and_offsets_follow_the_raw_bytes() -> None:
+    # "é!" as a lead byte, a continuation, then "!": OpenAI's bytes rebuild the text,
+    # and both halves of the character sit at its offset
+    parts = [("\ufffd", b"\xc3"), ("\ufffd", b"\xa9"), ("!", b"!")]
+    lps = [TokenLogprob(t, i, -1.0, [(t, i, -1.0)], raw, [raw]) for i, (t, raw) in enumerate(parts)]
+    entries = chat_logprob_entries(lps)
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == "é!"
+    assert entries[1]["top_logprobs"][0]["bytes"] == [0xA9]
+    assert completion_logprobs(lps, 4)["text_offset"] == [4, 4, 5]
+    # a character begun in an earlier delta (its text held back) starts this one's text
+    assert completion_logprobs(lps[1:], 4)["text_offset"] == [4, 4]
 
 
 def test_error_deltas_keep_their_status() -> None:

@@ -218,5 +218,12 @@ def test_token_logprobs(tok: TextTokenizer) -> None:
     assert [lp.token for lp in lps] == [tok.hf.decode([i]) for i in ids]
     assert lps[0].token_id == ids[0] and lps[0].logprob == -0.1
     assert lps[0].top == [(lps[0].token, ids[0], -0.1), ("<|im_end|>", 2, -3.0)]
+    assert b"".join(lp.raw for lp in lps) == "Hi 🙂".encode()
+    assert lps[-1].top_raw == [lps[-1].raw, b"<|im_end|>"]
+    # 🙂 a byte a token: each shows "\ufffd", their raw bytes make it up again
+    split = tok.hf.convert_tokens_to_ids(["ð", "Ł", "Ļ", "Ĥ"])
+    lps = token_logprobs(tok, split, [-0.1] * 4) or []
+    assert [lp.token for lp in lps] == ["\ufffd"] * 4
+    assert b"".join(lp.raw for lp in lps) == "🙂".encode()
     assert token_logprobs(tok, ids, None) is None
     assert [lp.top for lp in token_logprobs(tok, ids, [0.0] * len(ids)) or []] == [[]] * len(ids)
