@@ -29,7 +29,7 @@ import importlib.util
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -45,6 +45,9 @@ from .config import (
     SchedulerConfig,
     ServerConfig,
 )
+
+if TYPE_CHECKING:
+    from .gpu.model_info import ModelInfo
 
 __all__ = [
     "ConfigError",
@@ -294,6 +297,33 @@ def _lora_rank(lora: LoraConfig) -> int:
     return max(ranks, default=0) or DEFAULT_MAX_LORA_RANK
 
 
+def _read_start_adapters(lora: LoraConfig, info: ModelInfo, served: str) -> None:
+    """Read every --lora-paths adapter as the lora_loader will, so that one it would
+    refuse (broken weights, modules the model lacks, a rank over the slots') stops the
+    start with its reason, as vLLM's does, rather than serving without it."""
+    from .actors.lora_loader.peft import AdapterError, read_adapter
+    from .actors.lora_loader.registry import parse_lora_spec
+    from .gateway.state import DEFAULT_ALIAS
+    from .gpu.lora.targets import BaseShapes
+
+    shapes = BaseShapes.from_info(info)
+    pinned = 0
+    for spec in lora.lora_paths:
+        name, path, pin = parse_lora_spec(spec)
+        if name in (served, DEFAULT_ALIAS):
+            raise ConfigError(f"--lora-paths {spec}: {name!r} names the base model")
+        pinned += pin
+        if pin and pinned >= lora.max_loras_per_batch:  # as the lora_loader's registry
+            raise ConfigError(
+                f"--lora-paths pins {pinned} adapters, which leaves none of the "
+                f"--max-loras-per-batch {lora.max_loras_per_batch} slots to the others"
+            )
+        try:
+            read_adapter(name, path, shapes, lora.max_lora_rank)
+        except AdapterError as exc:
+            raise ConfigError(f"--lora-paths {spec}: {exc}") from None
+
+
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Fill platform defaults, then model path, context length, KV page count and
     served name from the model."""
@@ -331,6 +361,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if config.lora.enabled:
         lora = msgspec.structs.replace(config.lora, max_lora_rank=_lora_rank(config.lora))
         config = msgspec.structs.replace(config, lora=lora)
+        _read_start_adapters(lora, info, name)
     model = msgspec.structs.replace(
         m,
         path=str(Path(path).resolve()),

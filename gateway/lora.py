@@ -34,6 +34,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise ApiError(400, "send lora_name, the name requests will use", param="lora_name")
     if not path:
         raise ApiError(400, "send lora_path, the PEFT adapter's folder", param="lora_path")
+    if name in state.aliases:  # requests naming it would get the base model
+        raise ApiError(409, f"{name!r} names the base model", param="lora_name")
     client = state.engine()
     try:
         info = await client.load_lora(name, path, pinned)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from actorlm.actors.runtime.transport import free_port
 
@@ -112,6 +113,11 @@ def test_load_and_unload_routes_under_both_names(
     assert status == 404 and "no LoRA adapter named 'all'" in out["error"]["message"]
     assert out["error"]["code"] == "not_found"
     assert http(f"{server.url}/load_lora_adapter", {"lora_name": "x"})[0] == 400
+    base = http(f"{server.url}/v1/models")[1]["data"][0]["id"]
+    for name in (base, "default"):  # requests naming these get the base model
+        body = {"lora_name": name, "lora_path": str(lora_adapters["all"])}
+        status, out = http(f"{server.url}/load_lora_adapter", body)
+        assert status == 409 and "names the base model" in out["error"]["message"], out
 
 
 def _broken(kind: str, good: Path, tmp: Path) -> Path:
@@ -162,6 +168,31 @@ def test_broken_adapters_get_a_4xx_while_the_server_serves(
     assert not stream.failed_cleanly and '"finish_reason":"length"' in "".join(stream.events)
     names = {m["id"] for m in http(f"{server.url}/v1/models")[1]["data"]}
     assert not names & set(BROKEN)
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "no_weights", "rank", "base_name", "pins"])
+def test_a_start_up_adapter_the_loader_would_refuse_stops_the_start(
+    kind: str, tiny_llama: Path, lora_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    from actorlm.config import EngineConfig, LoraConfig, ModelConfig
+    from actorlm.launch import ConfigError, resolve_config
+
+    sql = f"sql={lora_adapters['sql']}"
+    specs, says = {
+        "corrupt": ([f"bad={_broken('corrupt', lora_adapters['sql'], tmp_path)}"], "is corrupt"),
+        "no_weights": ([f"bad={_broken('no_weights', lora_adapters['sql'], tmp_path)}"], "missing"),
+        "rank": ([sql], "is more than --max-lora-rank 2"),
+        "base_name": ([f"default={lora_adapters['sql']}"], "names the base model"),
+        "pins": ([f"{sql}:pinned", f"chat={lora_adapters['chat']}:pinned"], "pins 2 adapters"),
+    }[kind]
+    lora = LoraConfig(
+        lora_paths=specs, max_loras_per_batch=2, max_lora_rank=2 if kind == "rank" else 16
+    )
+    config = EngineConfig(model=ModelConfig(path=str(tiny_llama), device="cpu"), lora=lora)
+    with pytest.raises(ConfigError, match=says):
+        resolve_config(config)
+    ok = msgspec.structs.replace(lora, lora_paths=[sql], max_lora_rank=16)
+    assert resolve_config(msgspec.structs.replace(config, lora=ok)).lora.lora_paths == [sql]
 
 
 def test_lora_metrics(server: LoraServer) -> None:

@@ -94,8 +94,8 @@ class LoraLoaderActor(Actor):
             try:
                 await self._register(name, path, pinned)
             except (AdapterError, RegistryError) as exc:
-                # Checked before start (resolve_config); a file broken since is skipped,
-                # so a restart still comes up.
+                # Read once before start (resolve_config), where a refusal stops it; a
+                # file broken since is skipped, so that a restart still comes up.
                 log.error("--lora-paths %s: %s", spec, exc)
 
     def ready_info(self) -> dict[str, Any]:
