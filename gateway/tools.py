@@ -108,19 +108,7 @@ def plan_tools(f: Fields, template_has_tools: bool) -> tuple[ToolPlan | None, li
         plan = ToolPlan("auto", {"structural_tag": json.dumps(tag)}, tools, parallel=parallel)
         return plan, []
     if choice == "required":
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t["function"]["name"]},
-                    "arguments": _params(t),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
-        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        schema = _required_schema(tools)
         if not parallel:
             schema["maxItems"] = 1
         return ToolPlan("required", {"json_schema": json.dumps(schema)}, tools), []
@@ -142,6 +130,78 @@ def plan_tools(f: Fields, template_has_tools: bool) -> tuple[ToolPlan | None, li
     return ToolPlan("named", {"json_schema": json.dumps(_params(tool))}, tools, name), []
 
 
+def _required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """``"required"``'s constraint: a non-empty array of calls, each one tool's name and
+    arguments valid for that tool's parameters."""
+    defs: dict[str, Any] = {}
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": _arguments_schema(t, defs),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _arguments_schema(tool: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters as one branch of the combined schema. Nested there as they
+    are, their local refs (``#/$defs/Loc``, ``#`` for recursion) would resolve against
+    the combined root, where they name nothing. So parameters with local refs move whole
+    to the root's ``$defs``, keyed by the tool's name (unique, and pointer-safe by
+    ``_NAME``), their refs re-rooted there: two tools' defs of one name stay apart."""
+    params = _params(tool)
+    name = tool["function"]["name"]
+    moved = _reroot(params, f"#/$defs/{name}")
+    if moved == params:
+        return params
+    # A root $id would make the re-rooted refs resolve against the tool's own schema.
+    moved.pop("$id", None)
+    defs[name] = moved
+    return {"$ref": f"#/$defs/{name}"}
+
+
+# Keywords whose value maps names to subschemas (a name there is no keyword), and those
+# whose value is an instance (data, where a "$ref" key is no reference).
+_SCHEMA_MAPS = {
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+    "dependencies",
+}
+_INSTANCES = {"const", "enum", "default", "examples"}
+
+
+def _reroot(schema: Any, root: str) -> Any:
+    """A copy of ``schema`` whose document-local refs (``#`` and ``#/...``) point into
+    ``root`` instead; other refs (URLs, ``#anchor``) are left as written."""
+    if isinstance(schema, list):  # allOf, anyOf, oneOf, prefixItems, tuple items
+        return [_reroot(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]
+        elif key in _INSTANCES:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _reroot(v, root) for k, v in value.items()}
+        else:
+            out[key] = _reroot(value, root)
+    return out
+
+
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -160,25 +220,43 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[s
             return text, []
         return None, [_call(plan.name, text)]
     if plan.mode == "required":
-        try:
-            calls = json.loads(text)
-        except ValueError:
+        calls = _array_calls(text)
+        if calls is None:
             return text, []
-        return None, [_call(c["name"], json.dumps(c["arguments"])) for c in calls]
+        return None, [_call(name, arguments) for name, arguments in calls]
     if plan.mode == "auto":
-        found = []
-        for body in _HERMES.findall(text):
-            try:
-                call = json.loads(body)
-                found.append(_call(call["name"], json.dumps(call["arguments"])))
-            except (ValueError, KeyError, TypeError):
-                return text, []
-        if found:
+        bodies = _HERMES.findall(text)
+        # The calls' bodies as one array, so that "required"'s scan finds each one's
+        # arguments as written.
+        calls = _array_calls(f"[{', '.join(bodies)}]") if bodies else None
+        if calls:
+            found = [_call(name, arguments) for name, arguments in calls]
             rest = _HERMES.sub("", text).strip()
             # Without parallel_tool_calls the first call is the answer (a structural tag
             # cannot count calls).
             return rest or None, found if plan.parallel else found[:1]
     return text, []
+
+
+def _array_calls(text: str) -> list[tuple[str, str]] | None:
+    """``(name, arguments)`` of each call in a whole ``[{"name": ..., "arguments": ...}]``,
+    the arguments as the model wrote them (what the stream sends): parsed and dumped
+    again they would change (``\\u00fc`` for ``ü``, ``1.5`` for ``1.50``, spacing).
+    None when ``text`` is not such an array."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(parsed, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c for c in parsed
+    ):
+        return None
+    scanned = _scan_array(text)
+    if len(scanned) != len(parsed) or any(c.args_start < 0 or c.args_end < 0 for c in scanned):
+        return None
+    return [
+        (c["name"], text[s.args_start : s.args_end]) for c, s in zip(parsed, scanned, strict=True)
+    ]
 
 
 @dataclass

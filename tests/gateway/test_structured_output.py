@@ -20,6 +20,7 @@ import pytest
 
 from .conftest import API_KEY, Server, running_server
 from .test_errors import call
+from .test_tools import PIN, TRIP
 
 TEMPLATE = """
 {%- if tools %}<|im_start|>system
@@ -180,6 +181,36 @@ def test_tool_choice_required_gives_valid_calls(oai: openai.OpenAI, stream: bool
             )
         assert finish == "tool_calls" and not content
         check_calls(calls, {"get_weather", "add"})
+
+
+def test_required_tools_with_defs_give_the_arguments_the_model_wrote(oai: openai.OpenAI) -> None:
+    """Parameters with $defs of one name in two tools and a "#" recursion (pydantic's
+    nested models) compile; a call's arguments are the model's text, whole or streamed
+    (llguidance writes compact JSON, which parsing and dumping again would space out)."""
+    tools = [TRIP, PIN]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    kwargs: dict[str, Any] = {
+        "model": "default",
+        "messages": USER,
+        "tools": tools,
+        "tool_choice": "required",
+        "max_tokens": 96,
+    }
+    complete = 0
+    for seed in (1, 2, 3):
+        whole = oai.chat.completions.create(**kwargs, seed=seed).choices[0]
+        content, calls, finish = streamed_calls(
+            oai.chat.completions.create(**kwargs, seed=seed, stream=True)
+        )
+        assert finish == whole.finish_reason and not content
+        if finish != "tool_calls":
+            continue  # the random model's calls ran past max_tokens
+        complete += 1
+        written = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert [(c.function.name, c.function.arguments) for c in calls] == written
+        for name, arguments in written:
+            jsonschema.validate(json.loads(arguments), schemas[name])
+    assert complete, "no seed finished its calls within max_tokens"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
