@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 
 from .base import BaseGrammarBackend, BaseGrammarObject, GrammarContext, GrammarError
+from .schema_support import check_schema, check_tag_schemas
 from .tags import legacy_structural_tag
 
 __all__ = ["XGrammarGrammar", "XGrammarGrammarBackend"]
@@ -121,6 +122,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return XGrammarGrammar(self._xgr.GrammarMatcher(compiled), keep, self._batch)
 
     def dispatch_json(self, schema: str) -> XGrammarGrammar:
+        try:
+            parsed = json.loads(schema)
+        except ValueError:
+            parsed = None  # not JSON: xgrammar's error says where
+        check_schema(parsed)  # a keyword xgrammar would ignore: the fallback's, or a 400
         return self._grammar(
             self.compiler.compile_json_schema,
             schema,
@@ -138,8 +144,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     def dispatch_structural_tag(self, tag: str) -> XGrammarGrammar:
         legacy = legacy_structural_tag(tag)
         if legacy is None:  # xgrammar's own format: {"type": "structural_tag", "format": ...}
+            check_tag_schemas(json.loads(tag))
             return self._grammar(self.compiler.compile_structural_tag, tag)
         structures, triggers = legacy
+        for i, s in enumerate(structures):  # tool calls' parameters come this way
+            check_schema(s["schema"], f"#/structures/{i}/schema")
         # The legacy form's own conversion lets JSON take any whitespace, which a small
         # model pads without end: the same rule as dispatch_json instead.
         spacing = {} if self.ctx.any_whitespace else {"max_whitespace_cnt": 1}

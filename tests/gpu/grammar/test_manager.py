@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import jsonschema
 import pytest
 import torch
 from actorlm.config import GrammarConfig
@@ -18,7 +19,7 @@ from actorlm.gpu.grammar.manager import GrammarManager, GrammarSetup, backend_or
 from actorlm.gpu.grammar.xgrammar_backend import XGrammarGrammarBackend
 from actorlm.messages.sampling import SamplingParams
 
-from .conftest import EOS, allowed
+from .conftest import EOS, allowed, walk
 
 # xgrammar's own structural-tag form, which llguidance does not read: a fallback case.
 XGRAMMAR_TAG = json.dumps(
@@ -108,6 +109,31 @@ def test_fallback_to_the_other_backend_and_none(manager: Callable[..., GrammarMa
     assert out.grammar is None and "llguidance reads structural tags only as" in out.error
     off = manager(grammar_backend="none")
     assert "--grammar-backend none" in off.compile("regex", "a").result(timeout=60).error
+
+
+def test_a_schema_xgrammar_would_ignore_goes_to_the_fallback_or_is_refused(
+    manager: Callable[..., GrammarManager], context: GrammarContext
+) -> None:
+    """xgrammar compiles these and ignores the keyword: the fallback gets them."""
+    auto = manager()
+    # Two numeric ranges at once: llguidance enforces allOf.
+    both = {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 9}]}
+    out = auto.compile("json_schema", json.dumps(both)).result(timeout=60)
+    assert out.backend == "llguidance" and out.grammar is not None
+    for seed in range(3):
+        text = context.tokenizer.decode(walk(out.grammar.copy(), seed))
+        jsonschema.validate(json.loads(text), both)
+    # llguidance refuses uniqueItems too: a 400 naming the keyword and where it is.
+    unique = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    out = auto.compile("json_schema", json.dumps(unique)).result(timeout=60)
+    assert out.grammar is None and out.error == (
+        'invalid JSON schema: xgrammar does not enforce "uniqueItems" (at #/properties/tags)'
+    )
+    full = {"type": "object", "properties": {"tags": {"type": "array", "maxItems": 2}}}
+    assert auto.compile("json_schema", json.dumps(full)).result(timeout=60).backend == "xgrammar"
+    alone = manager(grammar_fallback="none")
+    out = alone.compile("json_schema", json.dumps(both)).result(timeout=60)
+    assert out.grammar is None and '"allOf" of more than one schema (at #)' in out.error
 
 
 class CountingBackend(XGrammarGrammarBackend):
