@@ -121,11 +121,17 @@ class GuidanceBackend(BaseGrammarBackend):
         return GuidanceGrammar(matcher, self._executor)
 
     def _json_options(self, schema: Any) -> Any:
-        """``schema`` made strict, with the whitespace rule in its ``x-guidance``."""
+        """``schema`` made strict, with the whitespace rule in its ``x-guidance``: compact
+        JSON spaced as xgrammar's and ``json.dumps``'s (``", "``, ``": "``), where
+        llguidance's own compact form has no spaces."""
         strict = _strict(schema)
         if isinstance(strict, dict):
+            spacing = (
+                {} if self.ctx.any_whitespace else {"item_separator": ", ", "key_separator": ": "}
+            )
             options = {
                 "whitespace_flexible": self.ctx.any_whitespace,
+                **spacing,
                 **strict.get("x-guidance", {}),
             }
             strict = {**strict, "x-guidance": options}

@@ -185,8 +185,7 @@ def test_tool_choice_required_gives_valid_calls(oai: openai.OpenAI, stream: bool
 
 def test_required_tools_with_defs_give_the_arguments_the_model_wrote(oai: openai.OpenAI) -> None:
     """Parameters with $defs of one name in two tools and a "#" recursion (pydantic's
-    nested models) compile; a call's arguments are the model's text, whole or streamed
-    (llguidance writes compact JSON, which parsing and dumping again would space out)."""
+    nested models) compile; a call's arguments are the model's text, whole or streamed."""
     tools = [TRIP, PIN]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     kwargs: dict[str, Any] = {

@@ -50,6 +50,13 @@ def test_random_walks_through_a_json_schema_validate(
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_compact_json_is_spaced_as_json_dumps(backend: BaseGrammarBackend) -> None:
+    # both backends write what docs/api.md says: ", " and ": " between items, no more
+    for seed in range(3):
+        text = decode(backend, walk(backend.dispatch("json_schema", json.dumps(SCHEMAS[0])), seed))
+        assert text == json.dumps(json.loads(text), ensure_ascii=False), text
+
+
 def test_regex_and_ebnf_walks_match(backend: BaseGrammarBackend) -> None:
     regex = r"(cat|dog)-[0-9]{2,3}"
     for seed in range(3):
