@@ -116,6 +116,7 @@ def read_adapter(name: str, path: str, shapes: BaseShapes, max_rank: int) -> Ada
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is corrupt: {exc}") from None
     digest = hashlib.sha256(f"{name}\0".encode() + config_bytes + b"\0" + weights_bytes)
     pairs = _pairs(tensors, shapes, where)
+    _check_targets(config, pairs, shapes.num_layers, where)
     has_pattern = bool(config.get("rank_pattern"))
     out = AdapterWeights(name, str(folder.resolve()), digest.hexdigest()[:24], 0)
     for module in LORA_MODULES:
@@ -185,6 +186,41 @@ def _check_config(config: dict[str, Any], where: str) -> tuple[int, float, bool]
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError(f"{where}: {CONFIG_FILE} needs lora_alpha, a number (got {alpha!r})")
     return r, float(alpha), bool(config.get("use_rslora", False))
+
+
+def _check_targets(
+    config: dict[str, Any], pairs: dict[tuple[int, str], Any], num_layers: int, where: str
+) -> None:
+    """The weights are those the config says it trained, as PEFT would load them: no
+    module outside a list of ``target_modules`` (a regex or "all-linear" names no list
+    to hold them to), no layer outside ``layers_to_transform``, which must name layers
+    the model has (PEFT refuses such an adapter; applied, it would not be that adapter)."""
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        named = {str(t).rsplit(".", 1)[-1] for t in targets}
+        extra = sorted({m for _, m in pairs} - named)
+        if extra:
+            raise AdapterError(
+                f"{where}: {WEIGHTS_FILE} holds weights for {', '.join(extra)}, which "
+                f"{CONFIG_FILE}'s target_modules does not name"
+            )
+    layers = config.get("layers_to_transform")
+    if layers is None:
+        return
+    wanted = (
+        {layers} if isinstance(layers, int) else set(layers) if isinstance(layers, list) else None
+    )
+    if wanted is None or not all(isinstance(i, int) and 0 <= i < num_layers for i in wanted):
+        raise AdapterError(
+            f"{where}: layers_to_transform {layers!r} names layers the base model lacks "
+            f"(it has {num_layers})"
+        )
+    extra_layers = sorted({i for i, _ in pairs} - wanted)
+    if extra_layers:
+        raise AdapterError(
+            f"{where}: {WEIGHTS_FILE} holds weights for layers {extra_layers}, outside "
+            f"layers_to_transform {sorted(wanted)}"
+        )
 
 
 def _pairs(

@@ -104,6 +104,12 @@ def _broken(kind: str, good: Path, tmp: Path, other_base: Path) -> Path:
         _edit_config(bad, use_dora=True)
     elif kind == "not_lora":
         _edit_config(bad, peft_type="IA3")
+    elif kind == "fewer_targets":  # the weights hold q, v and down_proj
+        _edit_config(bad, target_modules=["q_proj"])
+    elif kind == "far_layer":  # the model has 2
+        _edit_config(bad, layers_to_transform=[5])
+    elif kind == "outside_layers":  # the weights hold both
+        _edit_config(bad, layers_to_transform=[1])
     return bad
 
 
@@ -121,6 +127,9 @@ def _broken(kind: str, good: Path, tmp: Path, other_base: Path) -> Path:
         ("dora", "use_dora=True"),
         ("not_lora", "peft_type 'IA3'"),
         ("wrong_shapes", "trained for another model"),
+        ("fewer_targets", "weights for down_proj, v_proj, which"),
+        ("far_layer", "layers_to_transform [5] names layers the base model lacks"),
+        ("outside_layers", "weights for layers [0], outside layers_to_transform [1]"),
     ],
 )
 def test_broken_adapters_are_refused_with_the_reason(
