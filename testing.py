@@ -50,6 +50,9 @@ __all__ = [
 
 T = TypeVar("T")
 
+# plugin name → the interceptors its first load registered (see HarnessFactory._load_plugins)
+_PLUGIN_INTERCEPTORS: dict[str, list[Interceptor]] = {}
+
 TINY_ARCHS: dict[str, tuple[str, str]] = {  # name → (config class, model class)
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -191,20 +194,35 @@ class HarnessFactory:
         return self.loop.run_until_complete(coro)
 
     def tiny_config(self, **model: Any) -> EngineConfig:
-        """An ``EngineConfig`` for ``actorlm_tiny_model`` (``model``: more ModelConfig fields)."""
+        """An ``EngineConfig`` for ``actorlm_tiny_model`` (``model``: more ModelConfig fields),
+        with the KV pool's size and the context length given, as ``resolve_config`` gives
+        them to a served model, so that every role starts on it."""
         from .config import EngineConfig, ModelConfig
 
         path = self._request.getfixturevalue("actorlm_tiny_model")
-        return EngineConfig(model=ModelConfig(path=str(path), **{"max_model_len": 2048, **model}))
+        fields = {"max_model_len": 2048, "num_pages": 256, **model}
+        return EngineConfig(model=ModelConfig(path=str(path), **fields))
 
     def _load_plugins(self, names: Sequence[str]) -> None:
-        from .extensions.interceptors import interceptors
+        from .extensions.interceptors import interceptors, register_interceptor
         from .extensions.plugins import load_plugins, reset_plugins
 
         if self._saved is None:
             self._saved = interceptors()
         reset_plugins()  # load_plugins runs once per process: this allowlist is new
+        before = interceptors()
         report = load_plugins(environ={"ACTORLM_PLUGINS": ",".join(names)})
+        # A plugin registers its interceptors as its modules are imported: once a process.
+        # Those of its first load are kept, and put back where a later load (after a
+        # teardown forgot them) imports nothing new.
+        for i in interceptors():
+            if i not in before and i.source in names:
+                _PLUGIN_INTERCEPTORS.setdefault(i.source, []).append(i)
+        present = interceptors()
+        for name in names:
+            for i in _PLUGIN_INTERCEPTORS.get(name, []):
+                if i not in present:
+                    register_interceptor(i.role, i.msg_type, i.direction, i.fn, source=i.source)
         loaded = {p.name for p in report.plugins if p.status == "loaded"}
         missing = [n for n in names if n not in loaded]
         if missing:

@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from .moved import current_path
 from .registry import current_source
 from .surface import declared
 
@@ -148,6 +149,9 @@ class HookRegistry:
     def register(
         cls, target: str, fn: Callable[..., Any], type: HookType | str, *, source: str | None = None
     ) -> Callable[..., Any]:
+        # An old module path (moved.py) names the same target as the new one: one
+        # target, so that their hooks order and override as one method's do.
+        target = current_path(target)
         hook = Hook(target, fn, HookType(type), source or current_source.get())
         if not declared(target) and target not in cls._warned:
             cls._warned.add(target)

@@ -14,7 +14,7 @@ import importlib.machinery
 import sys
 import types
 
-__all__ = ["MOVED_MODULES", "install"]
+__all__ = ["MOVED_MODULES", "current_path", "install"]
 
 # old module path → new module path (the re-foldering of 2026-12)
 MOVED_MODULES: dict[str, str] = {
@@ -37,6 +37,17 @@ MOVED_MODULES: dict[str, str] = {
     "actorlm.gateway.server": "actorlm.serve",
     **{f"actorlm.gpu.{name}": f"actorlm.gpu.kernels.{name}" for name in ("native", "ops", "qgemm")},
 }
+
+
+def current_path(dotted: str) -> str:
+    """``dotted`` (a module, or a name in one) under its module's current path: a hook
+    target named by the old path and one named by the new are then one target."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        new = MOVED_MODULES.get(".".join(parts[:i]))
+        if new is not None:
+            return ".".join([new, *parts[i:]])
+    return dotted
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -397,3 +397,35 @@ class Greeter2(Greeter):
     assert demo.user.call_add(1, 2) == 30
     assert demo.user.Greeter is plugin.Greeter2 and plugin.Greeter is not plugin.Greeter2
     assert demo.mod.Greeter().greet("x") == "HELLO X"
+
+
+def test_an_old_module_path_and_the_new_one_name_one_target() -> None:
+    # actorlm.actors.policy moved to actorlm.actors.scheduler.policy (extensions/moved.py):
+    # hooks named either way order and override as one method's hooks do
+    import actorlm.actors.policy as old
+    from actorlm.actors.scheduler.policy import BatchPlanner
+
+    assert old.BatchPlanner is BatchPlanner
+    calls: list[str] = []
+    with HookRegistry.isolated():
+        HookRegistry.register(
+            "actorlm.actors.policy.BatchPlanner.add",
+            lambda *a: calls.append("before, old path"),
+            HookType.BEFORE,
+        )
+        HookRegistry.register(
+            "actorlm.actors.scheduler.policy.BatchPlanner.add",
+            lambda *a: calls.append("replace, new path"),
+            HookType.REPLACE,
+        )
+        HookRegistry.register(
+            "actorlm.actors.policy.BatchPlanner.add",
+            lambda *a: calls.append("replace, old path"),
+            HookType.REPLACE,
+        )
+        assert HookRegistry.apply_hooks() == []
+        assert {h.target for h in HookRegistry.hooks()} == {
+            "actorlm.actors.scheduler.policy.BatchPlanner.add"
+        }
+        BatchPlanner.add(object(), object(), "x")  # type: ignore[arg-type]
+    assert calls == ["before, old path", "replace, old path"]  # the last REPLACE wins

@@ -22,7 +22,9 @@ from actorlm.actors.runtime import RemoteError
 from actorlm.messages.generate import GenerateRequest
 
 
-def test_a_loaded_plugins_interceptors_form_the_chain(actorlm_harness):
+# twice: the second test loads the plugin after the first's teardown forgot it
+@pytest.mark.parametrize("again", [False, True])
+def test_a_loaded_plugins_interceptors_form_the_chain(actorlm_harness, again):
     h = actorlm_harness("tokenizer", plugins=["example"])
 
     async def main():
@@ -32,6 +34,11 @@ def test_a_loaded_plugins_interceptors_form_the_chain(actorlm_harness):
             await h.send(GenerateRequest(rid="b", text="FORBIDDEN"), sender="gateway")
 
     actorlm_harness.run(main())
+
+
+@pytest.mark.parametrize("role", ["scheduler", "cache_manager"])
+def test_every_role_starts_on_the_default_config(actorlm_harness, role):
+    assert actorlm_harness(role).actor.config.model.num_pages > 0
 
 
 def test_an_unknown_plugin_is_an_error(actorlm_harness):
@@ -79,7 +86,7 @@ def test_the_guides_example_passes_outside_the_repository(
     done = run_pytest(folder, env)
 
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 passed" in done.stdout, done.stdout
+    assert "7 passed" in done.stdout, done.stdout
     assert sorted(p.name for p in folder.iterdir() if p.suffix == ".py") == [
         "test_harness_example.py",
         "test_plugin.py",
