@@ -59,7 +59,7 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any
     A token's ``text_offset`` is where its first character starts in the text: tokens
     holding parts of one character (shown as "\ufffd") share that character's offset."""
     offsets = []
-    begun = False  # whether a character started in these tokens is still open
+    begun = False  # whether any character began in these tokens
     for lp in items:
         if not lp.raw:
             offsets.append(offset)
