@@ -350,7 +350,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     from .gpu.models import resolve_model_impl
 
     try:
-        resolve_model_impl(info.architecture, m.model_impl)  # an unknown one fails here
+        resolve_model_impl(info.architecture, m.model_impl, info.native_gaps)  # fails here
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     max_len = m.max_model_len or info.max_model_len

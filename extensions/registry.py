@@ -187,6 +187,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def entry_source(self, name: str) -> str | None:
+        """Who registered ``name`` ("builtin" or a plugin's name); None if nobody did."""
+        entry = self._entries.get(name)
+        return entry.source if entry is not None else None
+
     def entry(self, name: str) -> RegistryEntry[T]:
         self.get(name)  # raises the friendly error
         return self._entries[name]

@@ -49,6 +49,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int = 0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
+    # What this checkpoint has that the built-in native models do not build (--model-impl
+    # auto then runs the transformers fallback; native refuses it, saying which)
+    native_gaps: list[str] = []
     sliding_window: int | None = None  # the window of the windowed layers
     layer_windows: list[int] = []  # per layer, 0 = full attention; [] = every layer full
     # Gemma 3: the windowed layers' own RoPE (None: the same as the full layers')
@@ -208,6 +211,11 @@ def hf_model_info(folder: Path) -> ModelInfo:
     rope_params = cfg.get("rope_parameters") or {}
     partial = float(rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    gaps = []
+    if cfg.get("attention_bias") and archs[0] != "Qwen2ForCausalLM":  # Qwen2's is q/k/v only
+        gaps.append("a bias on o_proj (attention_bias)")
+    if cfg.get("mlp_bias"):
+        gaps.append("biases on the MLP (mlp_bias)")
     return ModelInfo(
         architecture=archs[0],
         model_type=str(cfg.get("model_type", "")),
@@ -231,6 +239,7 @@ def hf_model_info(folder: Path) -> ModelInfo:
         attention_bias=bool(
             cfg.get("attention_bias", cfg.get("qkv_bias", archs[0] == "Qwen2ForCausalLM"))
         ),
+        native_gaps=gaps,
         sliding_window=window,
         layer_windows=windows,
         sliding_rope_theta=sliding_theta,

@@ -109,7 +109,7 @@ def load_model(
     info = loader.model_info()
     device = torch.device(cfg.device or "cpu")
     dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))  # "auto": the platform's
-    if resolve_model_impl(info.architecture, cfg.model_impl) == "transformers":
+    if resolve_model_impl(info.architecture, cfg.model_impl, info.native_gaps) == "transformers":
         return build_fallback(loader.path, info, dtype, device), info
     model = build_model(info, max_model_len)
     loader.load(model, device, dtype)

@@ -4,6 +4,8 @@ Any architecture not registered here runs through the transformers fallback
 (``--model-impl transformers``, or ``auto``: ``actorlm.gpu.models.hf_fallback``).
 """
 
+from collections.abc import Sequence
+
 from actorlm.extensions.points import MODELS
 
 __all__ = ["MODEL_IMPLS", "NATIVE_ARCHITECTURES", "resolve_model_impl"]
@@ -30,17 +32,36 @@ for _arch, (_target, _family) in NATIVE_ARCHITECTURES.items():
 
 MODEL_IMPLS = ("auto", "native", "transformers")
 
+# Architectures the transformers fallback cannot run right, and why: refused at start-up
+# rather than served wrong (hf_fallback also refuses any model with sinks it meets).
+FALLBACK_UNSERVED = {
+    "GptOssForCausalLM": "learned attention sinks, which actorlm's attention backends do not compute",
+}
 
-def resolve_model_impl(architecture: str, impl: str = "auto") -> str:
+
+def resolve_model_impl(architecture: str, impl: str = "auto", gaps: Sequence[str] = ()) -> str:
     """``native`` or ``transformers`` for ``architecture`` under ``--model-impl impl``
-    (a plugin's registration counts as native)."""
+    (a plugin's registration counts as native); ``gaps``: what the checkpoint has that
+    the built-in native models do not build (``ModelInfo.native_gaps``)."""
     if impl not in MODEL_IMPLS:
         raise ValueError(f"unknown --model-impl {impl!r}; known: {', '.join(MODEL_IMPLS)}")
+    builtin_gaps = list(gaps) if MODELS.entry_source(architecture) == "builtin" else []
     if impl == "auto":
-        return "native" if architecture in MODELS else "transformers"
+        native = architecture in MODELS and not builtin_gaps
+        impl = "native" if native else "transformers"
     if impl == "native" and architecture not in MODELS:
         raise ValueError(
             f"model architecture {architecture!r} has no native implementation (registered: "
             f"{', '.join(MODELS.names())}); run it with --model-impl transformers (or auto)"
+        )
+    if impl == "native" and builtin_gaps:
+        raise ValueError(
+            f"the native {architecture} does not build {' or '.join(builtin_gaps)}; run "
+            "it with --model-impl transformers (or auto)"
+        )
+    if impl == "transformers" and architecture in FALLBACK_UNSERVED:
+        raise ValueError(
+            f"model architecture {architecture!r} has {FALLBACK_UNSERVED[architecture]}: "
+            "it has no native model here, and the transformers fallback would serve it wrong"
         )
     return impl

@@ -50,6 +50,8 @@ def paged_attention(
     layer = getattr(module, "layer_idx", None)
     if layer is None or not getattr(module, "is_causal", True):
         raise ValueError(f"{type(module).__name__}: the fallback runs causal decoder layers only")
+    if kwargs.get("s_aux") is not None:  # checked at load for GPT-OSS; any other model too
+        raise ValueError(f"layer {layer}: attention sinks (s_aux) are not computed here")
     window = kwargs.get("sliding_window") or 0
     if window != meta.window(layer) or float(kwargs.get("softcap") or 0.0) != meta.logit_softcap:
         raise ValueError(
@@ -92,6 +94,13 @@ class TransformersCausalLM(nn.Module):
                 "to a registered function (_supports_attention_backend), so the fallback cannot run it"
             )
         self.hf.eval().requires_grad_(False)
+        if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.hf.modules()):
+            # GPT-OSS: learned attention sinks (transformers' s_aux), a term of every
+            # softmax the paged backends do not have: without it every token is wrong
+            raise ValueError(
+                f"{info.architecture}: its attention has learned sinks, which actorlm's "
+                "attention backends do not compute, so the fallback cannot run it"
+            )
         self._check_geometry(info)
         self.info = info
         self.attention_scale: float | None = None  # head_dim ** -0.5; layers rescale q
@@ -104,7 +113,11 @@ class TransformersCausalLM(nn.Module):
             "actorlm's paged attention, slower than a native model)",
             path,
             info.architecture,
-            "chosen by --model-impl" if info.architecture in MODELS else "no native model",
+            f"the native model lacks {' and '.join(info.native_gaps)}"
+            if info.native_gaps and info.architecture in MODELS
+            else "chosen by --model-impl"
+            if info.architecture in MODELS
+            else "no native model",
             transformers.__version__,
         )
 

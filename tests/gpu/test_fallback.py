@@ -22,7 +22,7 @@ from .helpers import (
 )
 
 
-@pytest.fixture(scope="module", params=["gpt_neox", "gemma2", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["gpt_neox", "gemma2", "qwen3_moe", "llama_biases"])
 def fallback(
     request: pytest.FixtureRequest,
     tiny_model_factory: Callable[..., Path],
@@ -30,6 +30,8 @@ def fallback(
 ) -> tuple[ModelRunner, Any]:
     if request.param == "gpt_neox":  # partial rotary, parallel residual, GELU: not native
         path, impl = tiny_model_factory("gpt_neox", rotary_pct=0.25), "auto"
+    elif request.param == "llama_biases":  # o_proj and MLP biases: no native model builds them
+        path, impl = tiny_model_factory("llama", attention_bias=True, mlp_bias=True), "auto"
     else:
         path, impl = family_model_factory(request.param), "transformers"
     runner = make_runner(path, num_pages=512, model_impl=impl)
@@ -56,6 +58,14 @@ def test_model_impl_choice() -> None:
     assert "Gemma3ForCausalLM" in message and "Qwen3MoeForCausalLM" in message
     with pytest.raises(ValueError, match="known: auto, native, transformers"):
         resolve_model_impl("Qwen3ForCausalLM", "fast")
+    # what a checkpoint has beyond the native model's build sends auto to the fallback
+    gaps = ["a bias on o_proj (attention_bias)"]
+    assert resolve_model_impl("LlamaForCausalLM", "auto", gaps) == "transformers"
+    with pytest.raises(ValueError, match=r"does not build a bias on o_proj \(attention_bias\)"):
+        resolve_model_impl("LlamaForCausalLM", "native", gaps)
+    # learned attention sinks: no backend computes them, so no fallback serves them
+    with pytest.raises(ValueError, match="attention sinks"):
+        resolve_model_impl("GptOssForCausalLM")
 
 
 def test_serve_refuses_an_unknown_native_architecture_in_one_line(
