@@ -8,8 +8,12 @@ the rotated part of a head (all of it unless a family rotates a fraction).
 YaRN and LongRoPE also scale cos and sin by an attention factor. LongRoPE keeps
 two tables: a sequence whose end (as of this step, or its whole prompt's while it
 is prefilled in chunks) lies past the original context reads the long factors, as
-transformers decides per forward call. (KV computed for a shorter sequence keeps
-its short-factor rotation, in transformers' cache as in ours.)
+transformers decides per forward call. KV computed while the sequence was shorter
+keeps its short-factor rotation, as vLLM's does; transformers' Phi-3 ``generate``
+instead recomputes the whole sequence with the long factors when it crosses, so a
+decode past the original context (and a prompt past it over a prefix cached by a
+shorter request) can differ from it there. Dynamic NTK stretches each sequence's
+base by its own length, as transformers does for one sequence.
 """
 
 from __future__ import annotations
@@ -140,12 +144,17 @@ class Rope:
         """The step's positions → cos, sin [T, 1, D/2] (broadcast over heads)."""
         positions = meta.positions
         if self.kind == "dynamic" and meta.max_seq_len > self.max_pos:
-            # NTK-aware: stretch the base with the current context, as HF does per forward.
-            seq_len = meta.max_seq_len
-            base = self.base * ((self.factor * seq_len / self.max_pos) - (self.factor - 1)) ** (
+            # NTK-aware: each sequence's base stretched by its own context (as HF does
+            # per forward of one sequence), not by the batch's longest: a sequence's
+            # tokens must not depend on what shares its step.
+            lens = np.maximum(np.asarray(meta.seq_lens, np.float64), self.max_pos)
+            stretch = (self.factor * lens / self.max_pos - (self.factor - 1)) ** (
                 self.dim / (self.dim - 2)
             )
-            freqs = torch.outer(positions.float().cpu(), _inv_freq(self.dim, base))  # [T, D/2]
+            base = torch.from_numpy(np.repeat(self.base * stretch, meta.extend_lens)).float()
+            exps = torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim
+            inv = 1.0 / base[:, None] ** exps[None, :]  # [T, D/2], in fp32 as _inv_freq
+            freqs = positions.float().cpu()[:, None] * inv
             return freqs.cos().to(positions.device)[:, None], freqs.sin().to(positions.device)[
                 :, None
             ]

@@ -122,3 +122,10 @@ def test_rope_scaling_matches_transformers(
     for i, prompt in enumerate(PROMPTS[:2]):
         ours = runner.run([SeqSpec(prompt, 0, [10 * i, 10 * i + 1, 10 * i + 2])])[0]
         assert (ours - hf_last_logits(ref, prompt)).abs().max().item() < TOL
+    # both in one step: each sequence's rotation by its own length (dynamic's base, the
+    # LongRoPE table), whatever shares the step
+    both = runner.run(
+        [SeqSpec(p, 0, [10 * i, 10 * i + 1, 10 * i + 2]) for i, p in enumerate(PROMPTS[:2])]
+    )
+    for prompt, ours in zip(PROMPTS[:2], both, strict=True):
+        assert (ours - hf_last_logits(ref, prompt)).abs().max().item() < TOL
