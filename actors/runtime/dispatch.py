@@ -410,7 +410,10 @@ class ActorRuntime:
         try:
             item = self.codec.decode(frames)
         except DecodeError as exc:
-            item = exc
+            # Without its traceback: that holds this frame, whose `item` holds the
+            # error, a cycle keeping `frames` (up to the size limit and past it) alive
+            # until the cyclic collector happens to run.
+            item = exc.with_traceback(None)
         else:
             env = item[0]
             if identity and key_name(env.sender) != identity:

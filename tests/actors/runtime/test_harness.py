@@ -302,3 +302,32 @@ def test_a_failing_on_failure_or_on_stop_is_logged_with_the_role(
     failure, stop = logged["clumsy: on_failure failed"], logged["clumsy: on_stop failed"]
     assert failure is not None and "on_failure broke too" in str(failure[1])
     assert stop is not None and "on_stop broke" in str(stop[1])
+
+
+def test_a_refused_oversized_message_is_freed_at_once() -> None:
+    """A message over the size limit is refused, and its frames are not kept alive by
+    the error (a cycle only the cyclic collector would free: 300 MB a message)."""
+    import gc
+    import weakref
+
+    class Buffer(bytearray):  # bytes, but one a weak reference can watch
+        pass
+
+    async def main() -> None:
+        async with ActorHarness(EchoActor(EngineConfig())) as h:
+            h.runtime.codec.max_message_bytes = 1 << 16
+            enc = msgspec.msgpack.encode
+            env = enc(Envelope(Ping.TAG, 10**9, "test", Kind.SEND))
+            big = Buffer(1 << 17)
+            watch = weakref.ref(big)
+            gc.disable()
+            try:
+                h.runtime._on_frames([env, enc(Ping()), big])
+                del big
+                await asyncio.sleep(0.05)  # the slow lane logs and drops it
+                assert watch() is None
+            finally:
+                gc.enable()
+            assert await h.request(Ping(payload=b"ok")) == Pong(payload=b"ok")
+
+    run(main())
