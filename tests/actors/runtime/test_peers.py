@@ -40,6 +40,27 @@ def test_silence_restart_and_dead_incarnations() -> None:
     assert table.expire(now=101.0) == []
 
 
+def test_a_claimed_successor_that_falls_silent_gives_its_predecessor_back() -> None:
+    # One frame claiming a new incarnation (forged, or from a process that died at once)
+    # must not make the live incarnation's messages stale for good.
+    table = PeerTable(timeout_s=3.0)
+    table.heard("worker", 11, now=0.0)
+    claim = table.heard("worker", 99, now=1.0)
+    assert claim is not None and claim.kind is ChangeKind.RESTARTED
+    assert table.is_stale("worker", 11)  # while the claimed successor may be alive
+    (down,) = table.expire(now=4.5)  # ... it never spoke again
+    assert down.kind is ChangeKind.DOWN
+    assert not table.is_stale("worker", 11)  # the replaced one, heard again, is back
+    back = table.heard("worker", 11, now=5.0)
+    assert back is not None and back.kind is ChangeKind.UP and back.incarnation == 11
+    assert table.is_stale("worker", 99) and not table.is_stale("worker", 11)
+    # an incarnation reported dead (its process exited) stays dead, successor or not
+    table.mark_down("worker", "process exited", 11)
+    table.heard("worker", 12, now=6.0)
+    table.expire(now=10.0)
+    assert table.is_stale("worker", 11)
+
+
 class FakePeer:
     """Speaks the wire format to the runtime under test as role ``name``."""
 
