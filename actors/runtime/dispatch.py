@@ -286,6 +286,11 @@ class ActorRuntime:
             box = self._outboxes.pop(address, None) if address else None
             if box is not None:
                 box.close()  # what is queued for the dead one must not reach its successor
+            if change.role not in self.options.book:
+                # A peer that introduced itself (a client): forgotten once gone, or every
+                # client that ever came would keep a socket and a heartbeat here for good.
+                # Its next message (its reply address) introduces it again.
+                self.book.pop(change.role, None)
             log.warning(
                 "%s: peer %s %s (%s)", self.role, change.role, change.kind.value, change.reason
             )

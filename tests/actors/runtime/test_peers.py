@@ -145,3 +145,25 @@ def test_replies_from_a_dead_incarnation_are_dropped_and_logged(
         await serving
 
     asyncio.run(main())
+
+
+def test_a_client_that_introduced_itself_is_forgotten_once_gone() -> None:
+    async def main() -> None:
+        transport = MemoryTransport()
+        options = RuntimeOptions(heartbeat_s=0.02, peer_timeout_s=0.2)
+        runtime = ActorRuntime(EchoActor(EngineConfig()), "memory://echo", transport, options)
+        serving = asyncio.create_task(runtime.serve())
+        await runtime.ready.wait()
+        client = FakePeer(transport, "client-1", "memory://echo")
+        await client.send(Ping(payload=b"x"), kind=Kind.REQUEST)
+        await _settle()
+        assert runtime.book["client-1"] == client.address  # learned from its reply address
+        await asyncio.sleep(0.5)  # it left without a word: down, then forgotten
+        assert "client-1" not in runtime.book
+        await client.send(Ping(payload=b"y"), kind=Kind.REQUEST)  # back: known again
+        await _settle()
+        assert "client-1" in runtime.book
+        runtime.stop()
+        await serving
+
+    asyncio.run(main())
