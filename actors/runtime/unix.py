@@ -41,6 +41,10 @@ _MORE = 1
 _READ_CHUNK = 256 * 1024
 _MAX_IOV = 512  # buffers a sendmsg (IOV_MAX is 1024 on Linux)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+# Chunks (a frame's header and its bytes) kept for a peer that is not there: past this
+# (~25,000 small messages: hours of heartbeats to an actor that is down for good) they
+# are dropped. Whatever comes back is a new incarnation, which drops them anyway.
+MAX_ABSENT_CHUNKS = 100_000
 _GONE = (BrokenPipeError, ConnectionResetError, ConnectionRefusedError, FileNotFoundError)
 
 
@@ -178,7 +182,8 @@ class UnixInbox:
 class UnixOutbox:
     """A connection to one inbox, made at the first send and again after the peer
     went away; sends never wait: what the socket does not take at once (the peer
-    is slow, absent or restarting) is kept in order and written when it can be."""
+    is slow, absent or restarting) is kept in order and written when it can be (for an
+    absent peer, up to ``MAX_ABSENT_CHUNKS``)."""
 
     def __init__(self, path: str) -> None:
         self._path = path
@@ -205,6 +210,13 @@ class UnixOutbox:
             self._loop = asyncio.get_running_loop()
             self._connect()
         if self._sock is None or self._backlog:
+            if self._sock is None and len(self._backlog) >= MAX_ABSENT_CHUNKS:
+                log.warning(
+                    "unix://%s: the peer has been away for %d chunks; dropping them",
+                    self._path,
+                    len(self._backlog),
+                )
+                self._backlog.clear()  # whole messages: nothing is half sent while absent
             # Copied: the caller may reuse its buffers before they are written.
             self._backlog.extend(memoryview(bytes(c)) for c in chunks)
             return

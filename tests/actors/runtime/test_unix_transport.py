@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import pytest
 from actorlm.actors.runtime.transport import ZmqTransport
 from actorlm.actors.runtime.unix import UnixInbox
 
@@ -56,6 +57,34 @@ def test_an_outbox_queues_until_its_peer_binds(tmp_path: Path) -> None:
         inbox.listen(got)
         await got.wait_for(3)
         assert [m[1] for m in got.messages] == [b"0", b"1", b"2"]
+        outbox.close()
+        inbox.close()
+        transport.close()
+
+    run(main)
+
+
+def test_what_waits_for_an_absent_peer_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from actorlm.actors.runtime import unix
+
+    monkeypatch.setattr(unix, "MAX_ABSENT_CHUNKS", 40)
+
+    async def main() -> None:
+        transport = ZmqTransport()
+        address = f"unix://{tmp_path}/gone.sock"
+        outbox = transport.connect(address)
+        for i in range(100):  # a heartbeat a beat to an actor that never comes back
+            await outbox.send([b"beat", str(i).encode()])
+        assert len(outbox._backlog) <= 40  # type: ignore[attr-defined]
+        inbox = transport.bind(address)  # it comes after all: the newest arrive, whole
+        got = Received()
+        inbox.listen(got)
+        await got.wait_for(1)
+        await asyncio.sleep(0.05)
+        assert got.messages[-1] == [b"beat", b"99"]
+        assert all(m[0] == b"beat" for m in got.messages)
         outbox.close()
         inbox.close()
         transport.close()
