@@ -68,8 +68,9 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any
         # A continuation of a character begun here sits at that character (one back);
         # of one begun in an earlier delta (its text held back), at this text's start.
         offsets.append(offset - 1 if _continues(lp.raw) and begun else offset)
-        offset += _chars_begun(lp.raw)
-        begun = begun or _chars_begun(lp.raw) > 0
+        chars = _chars_begun(lp.raw)
+        offset += chars
+        begun = begun or chars > 0
     return {
         "tokens": [lp.token for lp in items],
         "token_logprobs": [lp.logprob for lp in items],

@@ -41,10 +41,10 @@ class Peer:
     up: bool = False  # heard from, and not silent since
     down: bool = False  # known gone (silent, or reported dead), not heard from since
     dead: set[int] = field(default_factory=set)  # incarnations known gone
-    # Of those, the ones only a newer incarnation's message replaced (no exit was
-    # reported): one of them speaking while its successor is down was never gone.
-    superseded: set[int] = field(default_factory=set)
-    reported: set[int] = field(default_factory=set)  # reported dead (mark_down): for good
+    # Of those, the ones reported dead (mark_down): gone for good. The others were only
+    # replaced by a newer incarnation's message: one of them speaking while its
+    # successor is down was never gone.
+    reported: set[int] = field(default_factory=set)
 
 
 class PeerTable:
@@ -69,7 +69,7 @@ class PeerTable:
             return False
         # A successor that fell silent (a forged frame's claim, say) does not outlive
         # the incarnation it replaced on paper: that one is heard again (see heard).
-        return not (peer.down and incarnation in peer.superseded)
+        return not (peer.down and incarnation not in peer.reported)
 
     @property
     def down(self) -> set[str]:
@@ -86,10 +86,7 @@ class PeerTable:
         peer.last_heard = now
         if incarnation and peer.incarnation and incarnation != peer.incarnation:
             peer.dead.add(peer.incarnation)
-            if peer.incarnation not in peer.reported:
-                peer.superseded.add(peer.incarnation)
-            peer.dead.discard(incarnation)  # a superseded one back (is_stale let it in)
-            peer.superseded.discard(incarnation)
+            peer.dead.discard(incarnation)  # a replaced one back (is_stale let it in)
             was_down = peer.down
             peer.incarnation, peer.up, peer.down = incarnation, True, False
             if was_down:  # its death was already handled: now it is simply back
@@ -109,7 +106,6 @@ class PeerTable:
         if incarnation:
             peer.dead.add(incarnation)
             peer.reported.add(incarnation)  # gone for good: never heard again
-            peer.superseded.discard(incarnation)
             if peer.incarnation in (0, incarnation):
                 peer.incarnation = incarnation
         if peer.down:
